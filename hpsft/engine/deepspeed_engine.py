@@ -1,0 +1,155 @@
+"""DeepSpeed ZeRO (stages 0-3, CPU offload) behind the TrainEngine contract.
+
+The number of micro-batches varies from step to step (token-budget batching), so the
+DeepSpeed config says one micro-batch per step and the accumulation boundary is set by
+hand before every backward. DeepSpeed averages gradients over data-parallel ranks; the
+engine multiplies each loss by the dp size so that gradients are *sums*, and the caller
+normalises (by the token count of the whole step) inside its loss.
+"""
+
+import contextlib
+import math
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpsft.engine.base import TrainEngine
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float):
+    """Linear warmup to the peak, then constant or cosine down to `min_lr_ratio`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norm weights (1-D parameters)."""
+    decay, no_decay = [], []
+    for param in module.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class DeepSpeedEngine(TrainEngine):
+    def __init__(self, engine_config, optim_config, total_steps: int):
+        self.config = engine_config
+        self.optim = optim_config
+        self.total_steps = total_steps
+        self.engine = None
+
+    def deepspeed_config(self) -> dict:
+        zero = {"stage": self.config.zero_stage}
+        if self.config.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if self.config.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        return {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.optim.grad_clip,
+            "zero_optimization": zero,
+            "bf16": {"enabled": self.config.dtype == "bfloat16"},
+            # We pass a torch AdamW: no JIT-built fused/cpu Adam op is needed on CPU machines.
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+
+    def build_optimizer(self, module: nn.Module):
+        groups = param_groups(module, self.optim.weight_decay)
+        kwargs = {"lr": self.optim.lr, "betas": tuple(self.optim.betas), "eps": self.optim.eps}
+        if self.config.offload_optimizer and torch.cuda.is_available():
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
+
+    def initialize(self, module: nn.Module) -> None:
+        optimizer = self.build_optimizer(module)
+        warmup = int(self.optim.warmup_ratio * self.total_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(self.total_steps, warmup, self.optim.lr_scheduler, self.optim.min_lr_ratio)
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=self.deepspeed_config()
+        )
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def to_device(self, micro_batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in micro_batch.items()}
+
+    def train_batch(self, micro_batches, loss_fn) -> dict:
+        self.engine.train()
+        outputs = []
+        for i, micro_batch in enumerate(micro_batches):
+            self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+            out = self.engine(**self.to_device(micro_batch))
+            loss = loss_fn(out)
+            self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
+            outputs.append(tuple(o.detach() for o in out))
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        return {
+            "outputs": outputs,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": self.engine.get_lr()[0],
+        }
+
+    @torch.no_grad()
+    def infer_batch(self, micro_batches) -> list:
+        self.engine.eval()
+        return [tuple(o.detach() for o in self.engine(**self.to_device(mb))) for mb in micro_batches]
+
+    def current_lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def save_checkpoint(self, root: str, tag: str) -> None:
+        self.engine.save_checkpoint(root, tag=tag, save_latest=False)
+
+    def load_checkpoint(self, root: str, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(root, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
+
+    def full_state_dict(self) -> dict | None:
+        module = self.engine.module
+        # Under ZeRO-3 every rank takes part in gathering the shards; rank 0 copies.
+        gathered = (
+            deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+            if self.config.zero_stage == 3 else contextlib.nullcontext()
+        )
+        with gathered:
+            if self.dp_rank != 0:
+                return None
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def dp_group(self):
+        return dist.group.WORLD

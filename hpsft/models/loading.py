@@ -1,0 +1,63 @@
+"""Load a Hugging Face model folder, failing early with a message that says what to fix."""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def check_model_path(path: str) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={path}: no Hugging Face model folder there (config.json missing); "
+            "run `make model` for the default or point model.path at a folder"
+        )
+    return p
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(check_model_path(path), trust_remote_code=trust_remote_code)
+
+
+def load_causal_lm(path: str, attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
+                   trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself)."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "model.attn_implementation=flash_attention_2 needs the flash-attn package "
+                "(GPU only: pip install flash-attn); use sdpa otherwise"
+            ) from None
+    model = AutoModelForCausalLM.from_pretrained(
+        check_model_path(path), dtype=torch.float32, attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    model.config.use_cache = False  # a KV cache is useless in training and breaks packing (see PackedCausalLM)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def write_hf_folder(lm: torch.nn.Module, state_dict: dict, tokenizer, out_dir: Path) -> None:
+    """Save weights, config and tokenizer (with its chat template) so that
+    `from_pretrained(out_dir)` loads them; a crash mid-write leaves no complete-looking folder."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        lm.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,64 @@
+"""A causal LM run on one packed row, with the loss from the fused varlen op.
+
+Packing: a micro-batch is one row whose `position_ids` restart at every sequence. With
+`attention_mask=None` and `use_cache=False`, transformers' attention (sdpa/eager on CPU,
+flash-attn varlen on GPU) derives a block-diagonal causal mask from the restarts, so no
+token attends across a sequence boundary. With the cache on, packed documents silently
+attend to each other; `verify_packed_attention` checks a model really behaves.
+"""
+
+import torch
+from torch import nn
+
+from hpsft.ops import varlen_linear_cross_entropy
+
+
+class PackedCausalLM(nn.Module):
+    """Wraps a HF causal LM; forward returns (sum of token losses, number of loss tokens).
+
+    The LM-head weight is read inside this module's forward, so under ZeRO-3 DeepSpeed
+    gathers it as an external parameter of this module; full logits are never built.
+    """
+
+    def __init__(self, lm: nn.Module, loss_backend: str = "auto"):
+        super().__init__()
+        self.lm = lm
+        self.loss_backend = loss_backend
+
+    def hidden_states(self, input_ids, position_ids):
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state[0]
+
+    def forward(self, input_ids, position_ids, offsets, loss_mask):
+        hidden = self.hidden_states(input_ids, position_ids)
+        head = self.lm.get_output_embeddings()
+        out = varlen_linear_cross_entropy(
+            hidden, head.weight, input_ids=input_ids[0], offsets=offsets, loss_mask=loss_mask,
+            reduction="sum", backend=self.loss_backend,
+        )
+        return out.loss, out.n_tokens
+
+    def logits(self, input_ids, position_ids):
+        """Full logits of a packed row (for evaluation and checks, not for training)."""
+        return self.lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
+
+
+@torch.no_grad()
+def verify_packed_attention(lm: nn.Module, tolerance: float = 1e-4) -> None:
+    """Run two short sequences packed and alone; refuse a model whose packed logits differ."""
+    was_training = lm.training
+    lm.eval()
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in (4, 3)]
+    packed_ids = torch.cat(seqs)[None]
+    position_ids = torch.cat([torch.arange(s.numel()) for s in seqs])[None]
+    packed = lm(input_ids=packed_ids, position_ids=position_ids, use_cache=False).logits[0]
+    alone = torch.cat([lm(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
+    lm.train(was_training)
+    err = ((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-6)).item()
+    if err > tolerance:
+        raise RuntimeError(
+            f"{type(lm).__name__} attends across packed sequences (relative logit error {err:.2e}): "
+            "its attention does not honour position_ids restarts, so it cannot be trained packed"
+        )

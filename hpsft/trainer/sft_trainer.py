@@ -1,0 +1,216 @@
+"""SFTTrainer (SPMD): every process runs it, one data-parallel rank each.
+
+Builder sequence as in verl: config -> tokenizer and datasets -> worker (model + engine)
+-> dataloader -> checkpoint manager -> fit(). The trainer owns the loop, the loss
+normalisation inputs, logging and checkpoint timing; it never imports Ray.
+"""
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from tqdm import tqdm
+
+from hpsft import distributed
+from hpsft.config import SFTConfig, to_yaml
+from hpsft.data.batch import collate_jagged, empty_batch
+from hpsft.data.dataset import SFTDataset, TokenizeOptions, load_or_tokenize
+from hpsft.models import load_tokenizer
+from hpsft.tracking import Tracker
+from hpsft.trainer.checkpoint import CheckpointManager
+from hpsft.workers import TrainingWorker
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def build_dataset(files, tokenizer, data_config) -> SFTDataset:
+    """Rank 0 tokenizes (or reads the cache); the others then read the cache."""
+    opts = TokenizeOptions.from_data_config(data_config)
+    distributed.on_rank0_then_share(lambda: load_or_tokenize(files, tokenizer, opts, data_config.cache_dir) and None)
+    return SFTDataset(load_or_tokenize(files, tokenizer, opts, data_config.cache_dir))
+
+
+class SFTTrainer:
+    def __init__(self, config: SFTConfig):
+        self.config = config
+        distributed.init_distributed(config.engine.dist_backend)
+        self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        seed_everything(config.trainer.seed)
+        data = config.data
+        if data.train_batch_size % self.world_size:
+            raise ValueError(
+                f"data.train_batch_size={data.train_batch_size} is not divisible by the "
+                f"{self.world_size} data-parallel ranks"
+            )
+        self.batch_per_rank = data.train_batch_size // self.world_size
+
+        self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+        if data.chat_template is not None:
+            self.tokenizer.chat_template = data.chat_template
+        self.train_dataset = build_dataset(data.train_files, self.tokenizer, data)
+        self.val_dataset = build_dataset(data.val_files, self.tokenizer, data) if data.val_files else None
+        self.train_loader = self.build_train_loader()
+        self.total_steps = self.count_total_steps()
+
+        self.worker = TrainingWorker(config.model, config.engine, config.optim, data, self.total_steps)
+        self.worker.init_model()
+
+        # Everything that can fail on bad input has run: only now does the run directory appear.
+        self.run_dir = Path(config.trainer.output_dir)
+        self.checkpoints = CheckpointManager(self.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        distributed.barrier()
+        self.global_step, self.epoch = 0, 0
+        self.resume()
+        self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
+
+    def build_train_loader(self) -> StatefulDataLoader:
+        self.sampler = DistributedSampler(
+            self.train_dataset, num_replicas=self.world_size, rank=self.rank,
+            shuffle=self.config.data.shuffle, seed=self.config.trainer.seed, drop_last=True,
+        )
+        loader = StatefulDataLoader(
+            self.train_dataset, batch_size=self.batch_per_rank, sampler=self.sampler,
+            collate_fn=collate_jagged, drop_last=True, num_workers=self.config.data.num_workers,
+        )
+        if len(loader) == 0:
+            raise ValueError(
+                f"{len(self.train_dataset)} training sequences make no full batch of "
+                f"data.train_batch_size={self.config.data.train_batch_size}"
+            )
+        return loader
+
+    def count_total_steps(self) -> int:
+        """trainer.total_steps when set (epochs repeat as needed), else epochs x steps/epoch."""
+        if self.config.trainer.total_steps is not None:
+            return self.config.trainer.total_steps
+        return self.config.trainer.total_epochs * len(self.train_loader)
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def resume(self) -> None:
+        mode = self.config.trainer.resume
+        if mode == "disable":
+            return
+        checkpoint = self.checkpoints.latest() if mode == "auto" else CheckpointManager.resolve(mode)
+        if checkpoint is None:
+            return
+        self.worker.load_checkpoint(str(checkpoint.parent), checkpoint.name)
+        state = CheckpointManager.load_rank_state(checkpoint, self.rank)
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"{checkpoint} was written by {state['world_size']} ranks, this run has "
+                f"{self.world_size}: resume with the same data-parallel size"
+            )
+        self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.sampler.set_epoch(self.epoch)
+        self.train_loader.load_state_dict(state["dataloader"])
+        set_rng_state(state["rng"])
+        if self.rank == 0:
+            print(f"resumed from {checkpoint} at step {self.global_step}", flush=True)
+
+    def save_checkpoint(self) -> None:
+        step = self.global_step
+        self.worker.save_checkpoint(str(self.checkpoints.root), self.checkpoints.partial_tag(step))
+        self.checkpoints.save_rank_state(step, self.rank, {
+            "global_step": step,
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "dataloader": self.train_loader.state_dict(),
+            "rng": rng_state(),
+        })
+        distributed.barrier()
+        if self.rank == 0:
+            self.checkpoints.commit(step)
+        distributed.barrier()
+
+    # ---- loop --------------------------------------------------------------------------
+
+    def validate(self) -> float:
+        """Token-mean loss over the whole validation set (every sequence exactly once)."""
+        indices = list(range(self.rank, len(self.val_dataset), self.world_size))
+        chunks = [indices[i:i + self.batch_per_rank] for i in range(0, len(indices), self.batch_per_rank)]
+        n_chunks = distributed.all_reduce_max(len(chunks))
+        loss_sum = loss_tokens = 0.0
+        for i in range(n_chunks):
+            batch = collate_jagged([self.val_dataset[j] for j in chunks[i]]) if i < len(chunks) else empty_batch()
+            out = self.worker.infer_batch(batch)
+            loss_sum += out["loss_sum"]
+            loss_tokens += out["loss_tokens"]
+        loss_sum, loss_tokens = distributed.all_reduce_sum([loss_sum, loss_tokens])
+        return loss_sum / max(loss_tokens, 1.0)
+
+    def step_metrics(self, out: dict, step_time: float) -> dict:
+        loss_sum, loss_tokens, tokens, computed = distributed.all_reduce_sum(
+            [out["loss_sum"], out["loss_tokens"], out["tokens"], out["computed_tokens"]]
+        )
+        return {
+            "train/loss": loss_sum / max(loss_tokens, 1.0),
+            "train/grad_norm": out["grad_norm"],
+            "train/lr": out["lr"],
+            "train/loss_tokens": int(loss_tokens),
+            "train/tokens": int(tokens),
+            "perf/tokens_per_s": tokens / step_time,
+            "perf/padding_efficiency": tokens / max(computed, 1.0),
+            "perf/micro_batches_per_rank": out["micro_batches"],
+            "perf/step_time_s": step_time,
+            "train/epoch": self.epoch,
+        }
+
+    def batches(self):
+        """Training batches from the current position to total_steps, across epochs."""
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            for batch in self.train_loader:
+                yield batch
+            self.epoch += 1
+
+    def fit(self) -> None:
+        trainer_cfg = self.config.trainer
+        progress = tqdm(
+            total=self.total_steps, initial=self.global_step, desc="train",
+            disable=self.rank != 0 or not trainer_cfg.progress_bar, dynamic_ncols=True,
+        )
+        batches = self.batches()
+        while self.global_step < self.total_steps:
+            batch = next(batches)
+            start = time.perf_counter()
+            out = self.worker.train_batch(batch)
+            self.global_step += 1
+            metrics = self.step_metrics(out, time.perf_counter() - start)
+            progress.update(1)
+            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+            final = self.global_step == self.total_steps
+            if trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final:
+                if self.val_dataset is not None:
+                    metrics["val/loss"] = self.validate()
+            if self.tracker and (self.global_step % trainer_cfg.log_every == 0 or "val/loss" in metrics or final):
+                self.tracker.log(metrics, self.global_step)
+            if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final:
+                self.save_checkpoint()
+        progress.close()
+        if trainer_cfg.export_hf:
+            self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer)
+            distributed.barrier()
+        if self.tracker:
+            self.tracker.close()

@@ -1,0 +1,104 @@
+"""TrainingWorker: one data-parallel rank's model, engine and micro-batching.
+
+The same class runs in-process under torchrun/deepspeed/srun and inside a Ray actor. It
+takes this rank's share of a global batch (a jagged TensorDict), splits it into
+micro-batches (as many as every other rank runs), and returns plain Python metrics.
+"""
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hpsft import distributed
+from hpsft.data.batch import packed_row, select, seqlens
+from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
+from hpsft.engine import DeepSpeedEngine
+from hpsft.models import PackedCausalLM, load_causal_lm, verify_packed_attention, write_hf_folder
+
+
+def token_mean_loss(outputs, global_loss_tokens: int) -> torch.Tensor:
+    """Sum of this micro-batch's token losses over the loss tokens of the whole optimizer
+    step (all micro-batches, all ranks): the gradient is then the same whatever the
+    data-parallel size, the micro-batch split or the packing."""
+    loss_sum, _n_tokens = outputs
+    return loss_sum / max(global_loss_tokens, 1)
+
+
+class TrainingWorker:
+    def __init__(self, model_config, engine_config, optim_config, data_config, total_steps: int):
+        self.model_config = model_config
+        self.data_config = data_config
+        self.engine = DeepSpeedEngine(engine_config, optim_config, total_steps)
+        self.loss_fn: Callable = token_mean_loss
+
+    def init_model(self) -> None:
+        cfg = self.model_config
+        lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code)
+        verify_packed_attention(lm)
+        self.n_params = sum(p.numel() for p in lm.parameters())
+        self.engine.initialize(PackedCausalLM(lm, cfg.loss_backend))
+
+    def set_loss_fn(self, loss_fn: Callable) -> None:
+        """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = (loss_sum, n_tokens)."""
+        self.loss_fn = loss_fn
+
+    def reset(self) -> None:
+        """Back to the default loss function."""
+        self.loss_fn = token_mean_loss
+
+    def micro_batches(self, batch) -> tuple[list, list[list[int]]]:
+        """This rank's micro-batches (packed rows) and the sample positions in each."""
+        lengths = seqlens(batch).tolist()
+        mbs, budget = self.data_config.micro_batch_size_per_gpu, self.data_config.max_tokens_per_micro_batch
+        count = distributed.all_reduce_max(min_micro_batches(lengths, mbs, budget))
+        bins = plan_micro_batches(lengths, count, mbs, budget)
+        return [packed_row(select(batch, b)) for b in bins], bins
+
+    def train_batch(self, batch, global_loss_tokens: int | None = None) -> dict:
+        """One optimizer step on this rank's share of the global batch.
+
+        `global_loss_tokens` (the loss-token count of the whole global batch) is all-reduced
+        here when not given; the Ray driver, which sees the whole batch, passes it in.
+        """
+        start = time.perf_counter()
+        local_loss_tokens = int(batch["loss_mask"].values().sum()) if batch.batch_size[0] else 0
+        local_tokens = int(seqlens(batch).sum())
+        if global_loss_tokens is None:
+            global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0])
+        rows, _ = self.micro_batches(batch)
+        result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
+        loss_sum = sum(float(o[0]) for o in result["outputs"])
+        computed = sum(r["input_ids"].numel() for r in rows)
+        return {
+            "loss_sum": loss_sum,
+            "loss_tokens": local_loss_tokens,
+            "tokens": local_tokens,
+            "computed_tokens": computed,
+            "micro_batches": len(rows),
+            "grad_norm": result["grad_norm"],
+            "lr": result["lr"],
+            "time": time.perf_counter() - start,
+        }
+
+    def infer_batch(self, batch) -> dict:
+        """Sum of token losses and number of loss tokens of this rank's share (no gradients)."""
+        rows, _ = self.micro_batches(batch)
+        outputs = self.engine.infer_batch(rows)
+        return {"loss_sum": sum(float(o[0]) for o in outputs), "loss_tokens": sum(int(o[1]) for o in outputs)}
+
+    def save_checkpoint(self, root: str, tag: str) -> None:
+        self.engine.save_checkpoint(root, tag)
+
+    def load_checkpoint(self, root: str, tag: str) -> None:
+        self.engine.load_checkpoint(root, tag)
+
+    def export_hf(self, out_dir: str, tokenizer) -> None:
+        """Write the full model (gathered under ZeRO-3) + tokenizer as a Hugging Face folder,
+        through a temporary sibling renamed at the end."""
+        state = self.engine.full_state_dict()  # collective: every rank calls it
+        if state is None:
+            return
+        lm_state = {k.removeprefix("lm."): v for k, v in state.items()}
+        write_hf_folder(self.engine.module.lm, lm_state, tokenizer, Path(out_dir))
