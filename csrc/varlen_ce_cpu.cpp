@@ -1,0 +1,167 @@
+// CPU row kernel of hpsft's varlen cross-entropy (contract: hpsft/ops/row_options.py).
+//
+// The GEMMs around it run in ATen (hpsft/ops/fused_linear_ce.py); this kernel fuses what
+// would otherwise be several full passes over a (rows, V) logit block: soft-capping, an
+// online log-sum-exp over vocabulary chunks, the loss terms and d(logits) written in place.
+// Rows run in parallel (at::parallel_for, OpenMP); loops over the vocabulary vectorise.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+// 2048 floats (8 KiB) of a row stay in L1 between the max and the sum-of-exp sweeps.
+constexpr int64_t kVocabChunk = 2048;
+
+// exp the compiler can vectorise (std::exp is an opaque libm call): Cephes-style range
+// reduction and a degree-6 polynomial, ~2 ulp. Inputs below -87 flush to ~1e-38, not 0.
+inline float exp_of(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_to_n;
+  std::memcpy(&two_to_n, &bits, sizeof(float));
+  return p * two_to_n;
+}
+inline double exp_of(double x) { return std::exp(x); }
+
+// tanh through exp_of so the soft-capping loop vectorises too (absolute error ~1e-7).
+inline float tanh_of(float x) { return 1.0f - 2.0f / (exp_of(2.0f * x) + 1.0f); }
+inline double tanh_of(double x) { return std::tanh(x); }
+
+struct Options {
+  double softcap;  // 0: off
+  double label_smoothing;
+  double z_loss_weight;
+};
+
+template <typename scalar_t>
+struct RowResult {
+  scalar_t loss, zloss, logprob;
+};
+
+template <typename scalar_t>
+RowResult<scalar_t> cross_entropy_row(scalar_t* z, int64_t vocab, int64_t label, scalar_t scale,
+                                      const Options& opt, bool compute_grad) {
+  const scalar_t cap = static_cast<scalar_t>(opt.softcap);
+  const scalar_t eps = static_cast<scalar_t>(opt.label_smoothing);
+  const scalar_t lam = static_cast<scalar_t>(opt.z_loss_weight);
+  if (cap > 0) {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) z[j] = cap * tanh_of(z[j] / cap);
+  }
+  // Online log-sum-exp: each chunk is reduced against its own max, then merged.
+  scalar_t running_max = -std::numeric_limits<scalar_t>::infinity();
+  scalar_t running_sum = 0;
+  double logit_sum = 0;  // fp64: with large common offsets the mean logit cancels against lse
+  for (int64_t begin = 0; begin < vocab; begin += kVocabChunk) {
+    const int64_t end = std::min(begin + kVocabChunk, vocab);
+    scalar_t chunk_max = z[begin];
+#pragma omp simd reduction(max : chunk_max)
+    for (int64_t j = begin; j < end; ++j) chunk_max = std::max(chunk_max, z[j]);
+    scalar_t chunk_sum = 0;
+    double chunk_logit_sum = 0;
+#pragma omp simd reduction(+ : chunk_sum, chunk_logit_sum)
+    for (int64_t j = begin; j < end; ++j) {
+      chunk_sum += exp_of(z[j] - chunk_max);
+      chunk_logit_sum += z[j];
+    }
+    logit_sum += chunk_logit_sum;
+    if (chunk_max > running_max) {
+      running_sum = running_sum * std::exp(running_max - chunk_max) + chunk_sum;
+      running_max = chunk_max;
+    } else {
+      running_sum += chunk_sum * std::exp(chunk_max - running_max);
+    }
+  }
+  const scalar_t lse = running_max + std::log(running_sum);
+  const scalar_t target = z[label];
+  const scalar_t zloss = lam * lse * lse;
+  const scalar_t mean_logit = static_cast<scalar_t>(logit_sum / static_cast<double>(vocab));
+  // Written as differences against lse: with a large common logit offset, lse - target and
+  // lse - mean_logit are small numbers and must not be formed from large ones.
+  const scalar_t loss = (1 - eps) * (lse - target) + eps * (lse - mean_logit) + zloss;
+  const RowResult<scalar_t> result{loss, zloss, target - lse};
+  if (!compute_grad) return result;
+
+  const scalar_t p_factor = (1 + 2 * lam * lse) * scale;
+  const scalar_t uniform = eps / static_cast<scalar_t>(vocab) * scale;
+  const scalar_t target_slope = cap > 0 ? 1 - (target / cap) * (target / cap) : scalar_t(1);
+  if (cap > 0) {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) {
+      const scalar_t slope = 1 - (z[j] / cap) * (z[j] / cap);
+      z[j] = (exp_of(z[j] - lse) * p_factor - uniform) * slope;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) z[j] = exp_of(z[j] - lse) * p_factor - uniform;
+  }
+  z[label] -= (1 - eps) * target_slope * scale;
+  return result;
+}
+
+std::vector<at::Tensor> rows_forward_(at::Tensor logits, const at::Tensor& labels, const at::Tensor& row_scale,
+                                      double softcap, double label_smoothing, double z_loss_weight, bool compute_grad) {
+  TORCH_CHECK_VALUE(logits.device().is_cpu(), "logits must be a CPU tensor");
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) > 0, "logits must be (rows, V) with V > 0");
+  TORCH_CHECK_VALUE(logits.stride(1) == 1, "logits rows must be contiguous (stride(1) == 1)");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK_VALUE(labels.dtype() == at::kLong && labels.dim() == 1 && labels.size(0) == rows,
+                    "labels must be int64 of shape (rows,)");
+  TORCH_CHECK_VALUE(row_scale.dtype() == logits.dtype() && row_scale.dim() == 1 && row_scale.size(0) == rows,
+                    "row_scale must have the dtype of logits and shape (rows,)");
+  const auto labels_c = labels.contiguous();
+  const auto scale_c = row_scale.contiguous();
+  if (rows > 0) {
+    const int64_t lowest = labels_c.min().item<int64_t>(), highest = labels_c.max().item<int64_t>();
+    TORCH_CHECK_VALUE(lowest >= 0 && highest < vocab, "labels must lie in [0, ", vocab, "), got [", lowest, ", ",
+                      highest, "]");
+  }
+  auto loss = at::empty({rows}, logits.options());
+  auto zloss = at::empty({rows}, logits.options());
+  auto logprob = at::empty({rows}, logits.options());
+  const Options opt{softcap, label_smoothing, z_loss_weight};
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "varlen_ce_rows_cpu", [&] {
+    scalar_t* data = logits.data_ptr<scalar_t>();
+    const int64_t stride = logits.stride(0);
+    const int64_t* label_data = labels_c.data_ptr<int64_t>();
+    const scalar_t* scale_data = scale_c.data_ptr<scalar_t>();
+    scalar_t* loss_data = loss.data_ptr<scalar_t>();
+    scalar_t* zloss_data = zloss.data_ptr<scalar_t>();
+    scalar_t* logprob_data = logprob.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        const auto result =
+            cross_entropy_row(data + r * stride, vocab, label_data[r], scale_data[r], opt, compute_grad);
+        loss_data[r] = result.loss;
+        zloss_data[r] = result.zloss;
+        logprob_data[r] = result.logprob;
+      }
+    });
+  });
+  return {loss, zloss, logprob};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rows_forward_", &rows_forward_,
+        "In place on a (rows, V) logit block: per-row (loss, zloss, logprob); d(logits) * row_scale "
+        "written into the block when compute_grad (contract: hpsft/ops/row_options.py)");
+}

@@ -1,0 +1,59 @@
+"""Which row kernel runs: the dispatcher behind backend="auto"|"cpp"|"cuda"|"triton"|"torch".
+
+auto: on a GPU the CUDA extension if built, else Triton, else torch; on CPU the C++
+extension (built by setup.py or JIT-built on first use), else torch. fp64 runs on cpp
+(CPU) or torch only. An explicitly requested backend that cannot run raises and says why.
+"""
+
+import os
+
+import torch
+
+from hpsft.ops.row_options import RowKernel
+
+BACKENDS = ("auto", "cpp", "cuda", "triton", "torch")
+
+
+def _load(name: str, device: torch.device, dtype: torch.dtype) -> tuple[RowKernel | None, str]:
+    """(kernel, "") when `name` can run on this device and dtype, else (None, why not)."""
+    if name == "torch":
+        from hpsft.ops.row_kernel_torch import torch_rows_forward_
+
+        return torch_rows_forward_, ""
+    if name == "cpp":
+        if device.type != "cpu":
+            return None, f"the C++ kernel runs on CPU tensors, got {device}"
+        from hpsft.ops.row_kernel_cpp import load_cpp_row_kernel
+
+        return load_cpp_row_kernel()
+    if dtype == torch.float64:
+        return None, f"the {name} kernel computes in fp32; use backend='cpp' or 'torch' for fp64"
+    if name == "cuda":
+        if device.type != "cuda":
+            return None, f"the CUDA kernel runs on CUDA tensors, got {device}"
+        from hpsft.ops.row_kernel_cuda import load_cuda_row_kernel
+
+        return load_cuda_row_kernel()
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return None, f"Triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before import) for {device} tensors"
+        from hpsft.ops.row_kernel_triton import load_triton_row_kernel
+
+        return load_triton_row_kernel()
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+
+
+def select_row_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> tuple[str, RowKernel]:
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested != "auto":
+        kernel, reason = _load(requested, device, dtype)
+        if kernel is None:
+            raise RuntimeError(f"backend={requested!r} cannot run: {reason}")
+        return requested, kernel
+    candidates = ("cuda", "triton", "torch") if device.type == "cuda" else ("cpp", "torch")
+    for name in candidates:
+        kernel, _ = _load(name, device, dtype)
+        if kernel is not None:
+            return name, kernel
+    raise AssertionError("unreachable: the torch backend always loads")

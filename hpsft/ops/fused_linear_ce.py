@@ -1,0 +1,97 @@
+"""Fused linear + cross-entropy over the supervised rows, chunked over tokens.
+
+Host side shared by every backend: for each chunk of rows it computes the logit block with
+one GEMM (bias fused), hands it to the backend's row kernel (softmax, loss and d(logits)
+in place, see row_options) and turns the block into d(hidden), d(weight), d(bias) with two
+more GEMMs. Only one (rows, V) block exists at a time, so full logits are never
+materialised, and the three GEMMs are the same work the unfused path does.
+
+For a reduced loss the gradients are finished in the forward pass and backward only scales
+them by the upstream scalar. For reduction "none" the upstream gradient differs per row and
+d(weight) sums over rows, so backward recomputes the blocks with the upstream gradient as
+the row scale (one extra forward's worth of work, no (N, V) storage).
+"""
+
+import torch
+
+from hpsft.ops.row_options import RowKernel, RowOptions
+
+LOGIT_BLOCK_BYTES = 64 * 2**20  # one (rows, V) block; 64 MiB keeps GEMMs large and memory small
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    # Softmax and gradient accumulation run in fp32 (fp64 when asked, e.g. for gradcheck).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
+    return max(1, LOGIT_BLOCK_BYTES // (vocab_size * dtype.itemsize))
+
+
+def chunked_linear_cross_entropy(
+    x, weight, bias, labels, row_scale, options: RowOptions, row_kernel: RowKernel, chunk_rows, need_grads
+):
+    """Per-row (loss, zloss, logprob) and the row_scale-weighted gradients (None where not needed)."""
+    need_x, need_w, need_b = need_grads
+    dtype = compute_dtype_for(x.dtype)
+    w = weight.to(dtype)
+    b = bias.to(dtype) if bias is not None else None
+    n_rows, hidden_size = x.shape
+    vocab_size = w.shape[0]
+    chunk_rows = chunk_rows or default_chunk_rows(vocab_size, dtype)
+    outputs = [torch.empty(n_rows, dtype=dtype, device=x.device) for _ in range(3)]
+    grad_x = torch.empty(n_rows, hidden_size, dtype=dtype, device=x.device) if need_x else None
+    grad_w = torch.zeros(vocab_size, hidden_size, dtype=dtype, device=x.device) if need_w else None
+    grad_b = torch.zeros(vocab_size, dtype=dtype, device=x.device) if need_b else None
+    block_buffer = torch.empty(min(chunk_rows, n_rows), vocab_size, dtype=dtype, device=x.device)
+    for start in range(0, n_rows, chunk_rows):
+        stop = min(start + chunk_rows, n_rows)
+        xs = x[start:stop].to(dtype)
+        block = block_buffer[: stop - start]
+        if b is None:
+            torch.mm(xs, w.t(), out=block)
+        else:
+            torch.addmm(b, xs, w.t(), out=block)
+        for out, value in zip(outputs, row_kernel(block, labels[start:stop], row_scale[start:stop], options, any(need_grads))):
+            out[start:stop] = value
+        if need_x:
+            torch.mm(block, w, out=grad_x[start:stop])
+        if need_w:
+            grad_w.addmm_(block.t(), xs)
+        if need_b:
+            grad_b += block.sum(dim=0)
+    return (*outputs, grad_x, grad_w, grad_b)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """(x, weight, bias) -> (loss, zloss rows, logprob rows); loss is sum_i s_i loss_i if reduce else loss rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows):
+        ctx.reduce, ctx.options, ctx.row_kernel, ctx.chunk_rows = reduce, options, row_kernel, chunk_rows
+        ctx.grad_dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        need_grads = ctx.needs_input_grad[:3] if reduce else (False, False, False)
+        loss, zloss, logprob, grad_x, grad_w, grad_b = chunked_linear_cross_entropy(
+            x, weight, bias, labels, row_scale, options, row_kernel, chunk_rows, need_grads
+        )
+        if reduce:
+            ctx.save_for_backward(grad_x, grad_w, grad_b)
+            loss = (loss * row_scale).sum()
+        else:
+            ctx.save_for_backward(x, weight, bias, labels)
+        ctx.mark_non_differentiable(zloss, logprob)
+        return loss, zloss, logprob
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_zloss, _grad_logprob):
+        if ctx.reduce:
+            grads = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
+        else:
+            x, weight, bias, labels = ctx.saved_tensors
+            row_scale = grad_loss.to(compute_dtype_for(x.dtype))
+            grads = chunked_linear_cross_entropy(
+                x, weight, bias, labels, row_scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.needs_input_grad[:3]
+            )[3:]
+        grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.grad_dtypes)]
+        return (*grads, None, None, None, None, None, None)

@@ -1,0 +1,26 @@
+"""Pure-torch row kernel: the fallback when no native kernel is built (contract in row_options)."""
+
+import torch
+
+from hpsft.ops.row_options import RowOptions
+
+
+def torch_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
+    cap, eps, lam = options.softcap, options.label_smoothing, options.z_loss_weight
+    if cap > 0:
+        block.div_(cap).tanh_().mul_(cap)
+    lse = torch.logsumexp(block, dim=1)
+    target = block.gather(1, labels[:, None]).squeeze(1)
+    zloss = lam * lse * lse
+    loss = lse - (1 - eps) * target - eps * block.mean(dim=1) + zloss
+    logprob = target - lse
+    if compute_grad:
+        # The softcap derivative needs z' after the block has turned into probabilities.
+        cap_slope = 1 - (block / cap).square() if cap > 0 else None
+        block.sub_(lse[:, None]).exp_().mul_((1 + 2 * lam * lse)[:, None]).sub_(eps / block.shape[1])
+        rows = torch.arange(block.shape[0], device=block.device)
+        block[rows, labels] -= 1 - eps
+        if cap_slope is not None:
+            block.mul_(cap_slope)
+        block.mul_(row_scale[:, None])
+    return loss, zloss, logprob

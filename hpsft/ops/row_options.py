@@ -1,0 +1,36 @@
+"""The per-row loss options every backend's row kernel implements, and their contract.
+
+A row kernel gets a block of logits (R, V) (bias already added, fp32 or fp64, rows
+contiguous) and, in place and per row i with label y and scale s_i:
+    z'      = softcap * tanh(z / softcap)            (when softcap > 0, else z' = z)
+    lse     = logsumexp_j z'_j
+    loss_i  = lse - (1 - eps) z'_y - eps * mean_j z'_j + lam * lse^2
+    zloss_i = lam * lse^2,  logprob_i = z'_y - lse
+and, when asked for the gradient, overwrites the block with
+    s_i * d loss_i / d z_ij = s_i * (p_j (1 + 2 lam lse) - (1 - eps) [j == y] - eps / V) * dz'/dz
+where p = softmax(z') and dz'/dz = 1 - (z'/softcap)^2. It returns (loss, zloss, logprob), each (R,).
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    softcap: float = 0.0  # 0 disables logit soft-capping
+    label_smoothing: float = 0.0
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if self.z_loss_weight < 0.0:
+            raise ValueError(f"z_loss_weight must be >= 0, got {self.z_loss_weight}")
+        if self.softcap < 0.0:
+            raise ValueError(f"softcap must be > 0 (or None to disable), got {self.softcap}")
+
+
+# (block, labels, row_scale, options, compute_grad) -> (loss, zloss, logprob)
+RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RowOptions, bool], tuple]

@@ -1,0 +1,176 @@
+"""Public API: varlen (packed-sequence) cross-entropy on hidden states or on logits.
+
+Inputs describe packed sequences: rows (T, ...) of `hidden` or `logits` (or a jagged nested
+tensor, whose values()/offsets() are used), `offsets` = cu_seqlens (B+1,), and either
+  - input_ids (T,) + loss_mask (T,): loss_mask[t] == 1 means token t is a supervised target;
+    position t predicts token t+1 of the same sequence, never the next sequence's first token;
+  - labels (T,) already aligned with the predicting rows, ignore_index where there is none.
+Only supervised rows reach the row kernel (and the LM-head GEMM): prompt tokens cost nothing.
+
+Reductions: "none" (per-row losses, 0 on rows without a label), "sum", "mean" (sum divided by
+`denominator`, default the local token count: pass the global count for exact normalisation
+over micro-batches and ranks) and "seq_mean" (mean over sequences of each sequence's mean
+token loss; `denominator` defaults to the number of sequences with a supervised token).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from hpsft.ops import varlen_targets
+from hpsft.ops.backends import select_row_kernel
+from hpsft.ops.fused_linear_ce import LinearCrossEntropyFunction, compute_dtype_for
+from hpsft.ops.logits_ce import CrossEntropyRowsFunction
+from hpsft.ops.row_options import RowOptions
+
+REDUCTIONS = ("none", "sum", "mean", "seq_mean")
+
+
+@dataclass
+class VarlenCEOutput:
+    loss: torch.Tensor  # reduced scalar, or (T,) per row for "none"; includes the z-loss term
+    n_tokens: torch.Tensor  # int64 scalar: number of supervised target tokens
+    z_loss: torch.Tensor  # the z-loss part of `loss`, same reduction, detached (for logging)
+    logprobs: torch.Tensor | None  # (T,) log p(target) per row (0 without a label), detached; when asked
+    backend: str  # which kernel ran: "cpp", "cuda", "triton" or "torch"
+
+
+def _values_and_offsets(rows, offsets, name):
+    """Unpack a jagged nested tensor; its offsets must agree with explicit ones."""
+    if not (isinstance(rows, torch.Tensor) and rows.is_nested):
+        return rows, offsets
+    nested_offsets = rows.offsets()
+    if offsets is not None and not torch.equal(offsets.long().cpu(), nested_offsets.long().cpu()):
+        raise ValueError(f"offsets disagree with the offsets() of the nested {name}")
+    return rows.values(), nested_offsets
+
+
+def _flat(tensor):
+    return tensor.values() if isinstance(tensor, torch.Tensor) and tensor.is_nested else tensor
+
+
+def _supervised_positions(total_tokens, vocab_size, input_ids, loss_mask, labels, ignore_index, offsets):
+    if labels is not None:
+        if input_ids is not None or loss_mask is not None:
+            raise ValueError("pass either labels (+ ignore_index) or input_ids + loss_mask, not both")
+        return varlen_targets.from_labels(_flat(labels), ignore_index, offsets, total_tokens, vocab_size)
+    if input_ids is None or loss_mask is None:
+        raise ValueError("pass input_ids and loss_mask (with offsets), or labels")
+    return varlen_targets.from_input_ids(_flat(input_ids), _flat(loss_mask), offsets, total_tokens, vocab_size)
+
+
+def _row_scale(reduction, denominator, targets: varlen_targets.SupervisedPositions, dtype, device):
+    """Weight of each supervised row in the reduced loss."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if denominator is not None and reduction not in ("mean", "seq_mean"):
+        raise ValueError(f"denominator only applies to reduction 'mean' or 'seq_mean', not {reduction!r}")
+    if isinstance(denominator, (int, float)) and denominator <= 0:
+        raise ValueError(f"denominator must be positive, got {denominator}")
+    ones = torch.ones(targets.labels.numel(), dtype=dtype, device=device)
+    if reduction in ("none", "sum"):
+        return ones
+    if reduction == "mean":
+        # An empty batch has no loss to normalise: divide by 1 rather than produce NaN.
+        return ones / (denominator if denominator is not None else max(targets.labels.numel(), 1))
+    tokens_per_sequence = torch.bincount(targets.sequence_ids, minlength=targets.num_sequences).to(dtype)
+    if denominator is None:
+        denominator = max(int((tokens_per_sequence > 0).sum().item()), 1)
+    return ones / tokens_per_sequence[targets.sequence_ids] / denominator
+
+
+def _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend):
+    def per_row(values):
+        return values.new_zeros(total_tokens).index_add(0, targets.positions, values)
+
+    if reduction == "none":
+        loss, z_loss = per_row(loss), per_row(zloss)
+    else:
+        z_loss = (zloss * row_scale).sum()
+    n_tokens = torch.tensor(targets.labels.numel(), dtype=torch.int64, device=loss.device)
+    logprobs = per_row(logprob) if return_logprobs else None
+    return VarlenCEOutput(loss, n_tokens, z_loss.detach(), logprobs, backend)
+
+
+def _options(label_smoothing, z_loss_weight, softcap):
+    return RowOptions(softcap=float(softcap or 0.0), label_smoothing=float(label_smoothing), z_loss_weight=float(z_loss_weight))
+
+
+def varlen_linear_cross_entropy(
+    hidden,
+    weight,
+    bias=None,
+    *,
+    input_ids=None,
+    offsets=None,
+    loss_mask=None,
+    labels=None,
+    ignore_index=-100,
+    reduction="sum",
+    denominator=None,
+    label_smoothing=0.0,
+    z_loss_weight=0.0,
+    softcap=None,
+    return_logprobs=False,
+    backend="auto",
+    chunk_rows=None,
+) -> VarlenCEOutput:
+    """Cross-entropy of softcap(hidden @ weight.T + bias) without materialising the logits.
+
+    hidden (T, H) or nested jagged; weight (V, H); bias (V,) or None. chunk_rows: rows per
+    logit block (default: a 64 MiB block). Differentiable w.r.t. hidden, weight and bias.
+    """
+    hidden, offsets = _values_and_offsets(hidden, offsets, "hidden")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be (T, H) and weight (V, H) with the same H, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},) to match weight, got {tuple(bias.shape)}")
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    if weight.device != hidden.device or (bias is not None and bias.device != hidden.device):
+        raise ValueError(f"hidden, weight and bias must be on one device, got {hidden.device} and {weight.device}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    options = _options(label_smoothing, z_loss_weight, softcap)
+    total_tokens = hidden.shape[0]
+    targets = _supervised_positions(total_tokens, weight.shape[0], input_ids, loss_mask, labels, ignore_index, offsets)
+    dtype = compute_dtype_for(hidden.dtype)
+    backend_name, row_kernel = select_row_kernel(backend, hidden.device, dtype)
+    row_scale = _row_scale(reduction, denominator, targets, dtype, hidden.device)
+    x = hidden.index_select(0, targets.positions)
+    loss, zloss, logprob = LinearCrossEntropyFunction.apply(
+        x, weight, bias, targets.labels, row_scale, options, row_kernel, reduction != "none", chunk_rows
+    )
+    return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)
+
+
+def varlen_cross_entropy(
+    logits,
+    *,
+    input_ids=None,
+    offsets=None,
+    loss_mask=None,
+    labels=None,
+    ignore_index=-100,
+    reduction="sum",
+    denominator=None,
+    label_smoothing=0.0,
+    z_loss_weight=0.0,
+    softcap=None,
+    return_logprobs=False,
+    backend="auto",
+) -> VarlenCEOutput:
+    """Same loss as varlen_linear_cross_entropy on given logits (T, V) (or nested jagged)."""
+    logits, offsets = _values_and_offsets(logits, offsets, "logits")
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point (T, V) tensor, got {logits.dtype} {tuple(logits.shape)}")
+    options = _options(label_smoothing, z_loss_weight, softcap)
+    total_tokens = logits.shape[0]
+    targets = _supervised_positions(total_tokens, logits.shape[1], input_ids, loss_mask, labels, ignore_index, offsets)
+    dtype = compute_dtype_for(logits.dtype)
+    backend_name, row_kernel = select_row_kernel(backend, logits.device, dtype)
+    row_scale = _row_scale(reduction, denominator, targets, dtype, logits.device)
+    loss, zloss, logprob = CrossEntropyRowsFunction.apply(
+        logits, targets.positions, targets.labels, row_scale, options, row_kernel, reduction != "none"
+    )
+    return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)
