@@ -1,0 +1,85 @@
+"""Triton row kernel (contract: row_options): one program per row, online log-sum-exp over
+BLOCK_V-wide vocabulary blocks, then a second sweep writing d(logits) in place.
+
+Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1, which Triton reads when
+@triton.jit decorates: set it before this module is first imported. The interpreter has no
+libdevice, so tanh is built from exp.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from hpsft.ops.row_options import RowOptions
+
+BLOCK_V = 1024
+
+
+@triton.jit
+def _tanh(x):
+    # Saturates cleanly: exp overflow gives 1, underflow gives -1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(
+    logits_ptr, row_stride, labels_ptr, scale_ptr, loss_ptr, zloss_ptr, logprob_ptr,
+    vocab, softcap, label_smoothing, z_loss_weight,
+    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    label = tl.load(labels_ptr + row)
+    running_max = float("-inf")
+    running_sum = 0.0
+    logit_sum = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_vocab = cols < vocab
+        z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+            tl.store(row_ptr + cols, z, mask=in_vocab)  # the gradient sweep needs z'
+        new_max = tl.maximum(running_max, tl.max(tl.where(in_vocab, z, float("-inf")), axis=0))
+        block_sum = tl.sum(tl.where(in_vocab, tl.exp(z - new_max), 0.0), axis=0)
+        running_sum = running_sum * tl.exp(running_max - new_max) + block_sum
+        running_max = new_max
+        logit_sum += tl.sum(tl.where(in_vocab, z, 0.0), axis=0)
+    lse = running_max + tl.log(running_sum)
+    target = tl.load(row_ptr + label).to(tl.float32)
+    zloss = z_loss_weight * lse * lse
+    # Differences against lse: a large common logit offset cancels before it can round.
+    loss = (1.0 - label_smoothing) * (lse - target) + label_smoothing * (lse - logit_sum / vocab) + zloss
+    tl.store(loss_ptr + row, loss)
+    tl.store(zloss_ptr + row, zloss)
+    tl.store(logprob_ptr + row, target - lse)
+    if COMPUTE_GRAD:
+        scale = tl.load(scale_ptr + row)
+        p_factor = (1.0 + 2.0 * z_loss_weight * lse) * scale
+        uniform = label_smoothing / vocab * scale
+        for start in range(0, vocab, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            in_vocab = cols < vocab
+            z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+            grad = tl.exp(z - lse) * p_factor - uniform - tl.where(cols == label, (1.0 - label_smoothing) * scale, 0.0)
+            if HAS_SOFTCAP:
+                grad = grad * (1.0 - (z / softcap) * (z / softcap))
+            tl.store(row_ptr + cols, grad, mask=in_vocab)
+
+
+def triton_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
+    if block.dtype != torch.float32 or block.stride(1) != 1:
+        raise ValueError(f"the Triton row kernel takes fp32 blocks with contiguous rows, got {block.dtype}")
+    rows, vocab = block.shape
+    loss, zloss, logprob = (torch.empty(rows, dtype=block.dtype, device=block.device) for _ in range(3))
+    if rows:
+        _cross_entropy_rows_kernel[(rows,)](
+            block, block.stride(0), labels.contiguous(), row_scale.contiguous(), loss, zloss, logprob,
+            vocab, options.softcap or 1.0, options.label_smoothing, options.z_loss_weight,
+            HAS_SOFTCAP=options.softcap > 0, COMPUTE_GRAD=compute_grad, BLOCK_V=BLOCK_V,
+        )
+    return loss, zloss, logprob
+
+
+def load_triton_row_kernel():
+    return triton_rows_forward_, ""
