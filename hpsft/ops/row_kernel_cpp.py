@@ -1,42 +1,21 @@
-"""C++ (CPU) row kernel: the extension built by setup.py, else JIT-built from csrc/.
-
-The JIT build goes to $TORCH_EXTENSIONS_DIR (tests point it at .cache/torch_extensions in
-the repository) and takes ~1 minute once; later processes load the cached library.
-If neither works, `load_cpp_row_kernel` says why and backend="auto" falls back to torch.
-"""
+"""C++ (CPU) row kernel from csrc/varlen_ce_cpu.cpp (contract: row_options)."""
 
 import functools
-import importlib
-import os
-import warnings
 
 from hpsft.ops import native_build
+from hpsft.ops.native_extensions import load_extension
 from hpsft.ops.row_options import RowOptions
 
 
 @functools.cache
 def _extension():
-    """(module, "") or (None, why it is unavailable)."""
-    try:
-        return importlib.import_module(native_build.CPU_EXTENSION), ""
-    except ImportError as prebuilt_error:
-        reason = f"not built by setup.py ({prebuilt_error})"
-    sources = [str(native_build.REPO_ROOT / source) for source in native_build.CPU_SOURCES]
-    if not all(os.path.exists(path) for path in sources):
-        return None, f"{reason}, and the csrc/ sources are not available for a JIT build"
-    try:
-        from torch.utils.cpp_extension import load
-
-        module = load(
-            name="hpsft_varlen_ce_cpu",
-            sources=sources,
-            extra_cflags=native_build.cpu_compile_args(),
-            extra_ldflags=native_build.cpu_link_args(),
-        )
-        return module, ""
-    except Exception as jit_error:  # compiler missing, headers broken, ...: fall back loudly
-        warnings.warn(f"hpsft: JIT build of the C++ cross-entropy kernel failed, using torch: {jit_error}")
-        return None, f"{reason}, and the JIT build failed: {jit_error}"
+    return load_extension(
+        native_build.CPU_EXTENSION,
+        "hpsft_varlen_ce_cpu",
+        native_build.CPU_SOURCES,
+        extra_cflags=native_build.cpu_compile_args(),
+        extra_ldflags=native_build.cpu_link_args(),
+    )
 
 
 def cpp_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
