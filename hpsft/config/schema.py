@@ -104,7 +104,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     total_epochs: int = 1
-    total_steps: Optional[int] = None  # if set, stops after this many optimizer steps
+    total_steps: Optional[int] = None  # if set, overrides total_epochs (epochs repeat as needed)
+    stop_at_step: Optional[int] = None  # end this run early (checkpoint saved), e.g. for a job time limit
     val_every: int = 0  # steps between validations; 0: only at the end
     save_every: int = 0  # steps between checkpoints; 0: only at the end
     seed: int = 42
@@ -118,6 +119,7 @@ class TrainerConfig:
     def __post_init__(self):
         check_positive("trainer", "total_epochs", self.total_epochs)
         check_positive("trainer", "total_steps", self.total_steps)
+        check_positive("trainer", "stop_at_step", self.stop_at_step)
         check_positive("trainer", "val_every", self.val_every, allow_zero=True)
         check_positive("trainer", "save_every", self.save_every, allow_zero=True)
         check_positive("trainer", "log_every", self.log_every)

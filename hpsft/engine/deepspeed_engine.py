@@ -99,6 +99,7 @@ class DeepSpeedEngine(TrainEngine):
 
     def train_batch(self, micro_batches, loss_fn) -> dict:
         self.engine.train()
+        lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves in step())
         outputs = []
         for i, micro_batch in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
@@ -111,16 +112,13 @@ class DeepSpeedEngine(TrainEngine):
         return {
             "outputs": outputs,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "lr": self.engine.get_lr()[0],
+            "lr": lr,
         }
 
     @torch.no_grad()
     def infer_batch(self, micro_batches) -> list:
         self.engine.eval()
         return [tuple(o.detach() for o in self.engine(**self.to_device(mb))) for mb in micro_batches]
-
-    def current_lr(self) -> float:
-        return self.engine.get_lr()[0]
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         self.engine.save_checkpoint(root, tag=tag, save_latest=False)

@@ -191,8 +191,9 @@ class SFTTrainer:
             total=self.total_steps, initial=self.global_step, desc="train",
             disable=self.rank != 0 or not trainer_cfg.progress_bar, dynamic_ncols=True,
         )
+        last_step = min(self.total_steps, trainer_cfg.stop_at_step or self.total_steps)
         batches = self.batches()
-        while self.global_step < self.total_steps:
+        while self.global_step < last_step:
             batch = next(batches)
             start = time.perf_counter()
             out = self.worker.train_batch(batch)
@@ -200,16 +201,15 @@ class SFTTrainer:
             metrics = self.step_metrics(out, time.perf_counter() - start)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            final = self.global_step == self.total_steps
-            if trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final:
-                if self.val_dataset is not None:
-                    metrics["val/loss"] = self.validate()
+            final = self.global_step == last_step
+            if self.val_dataset is not None and (trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final):
+                metrics["val/loss"] = self.validate()
             if self.tracker and (self.global_step % trainer_cfg.log_every == 0 or "val/loss" in metrics or final):
                 self.tracker.log(metrics, self.global_step)
             if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final:
                 self.save_checkpoint()
         progress.close()
-        if trainer_cfg.export_hf:
+        if trainer_cfg.export_hf and self.global_step == self.total_steps:
             self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer)
             distributed.barrier()
         if self.tracker:

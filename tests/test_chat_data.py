@@ -1,0 +1,129 @@
+"""Chat-template tokenization, assistant-only loss masks, truncation, bad rows, caching."""
+
+import json
+
+import pytest
+import torch
+
+from hpsft.data.chat_tokenize import tokenize_conversation
+from hpsft.data.dataset import DataError, SFTDataset, TokenizeOptions, load_or_tokenize
+from tests.conftest import write_jsonl, write_parquet
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Tell me a joke, with a line break."},
+    {"role": "assistant", "content": "Why did the chicken cross the road?\nTo get to the other side. 🐔"},
+    {"role": "user", "content": "Thanks"},
+    {"role": "assistant", "content": "You're welcome."},
+]
+
+
+def options(**kw):
+    base = dict(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+                chat_template=None, max_length=512, truncation="error", bad_rows="error")
+    base.update(kw)
+    return TokenizeOptions(**base)
+
+
+def spans(mask):
+    """Contiguous runs of 1s as (start, end)."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_loss_mask_is_exactly_the_assistant_turns(tokenizer):
+    ids, mask = tokenize_conversation(tokenizer, CONVERSATION)
+    # The tokens are the template's rendering, unchanged.
+    rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(ids) == rendered
+    # One masked span per assistant turn: its content and its end-of-turn token, nothing else.
+    assistant = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    runs = spans(mask)
+    assert [tokenizer.decode(ids[a:b]) for a, b in runs] == [c + "<|im_end|>" for c in assistant]
+    # Each span is preceded by the generation prompt, which is never trained on.
+    prompt_ids = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    for a, _ in runs:
+        assert ids[a - len(prompt_ids):a] == prompt_ids
+        assert not any(mask[a - len(prompt_ids):a])
+    # Token by token: unmasked text is exactly the rendering minus the assistant spans.
+    unmasked = "".join(tokenizer.decode([t]) for t, m in zip(ids, mask) if not m)
+    expected = rendered
+    for c in assistant:
+        expected = expected.replace(c + "<|im_end|>", "", 1)
+    assert unmasked == expected
+
+
+def test_default_system_prompt_and_single_turn(tokenizer):
+    ids, mask = tokenize_conversation(tokenizer, [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}])
+    assert "You are a helpful AI assistant" in tokenizer.decode(ids)  # SmolLM2's template inserts it
+    assert [tokenizer.decode(ids[a:b]) for a, b in spans(mask)] == ["4<|im_end|>"]
+
+
+def test_parquet_and_jsonl_prompt_response(tmp_path, tokenizer):
+    rows = [{"prompt": "What is 2+2?", "response": "4."}, {"prompt": "Capital of France?", "response": "Paris."}]
+    for path in (write_jsonl(rows, tmp_path / "d.jsonl"), write_parquet(rows, tmp_path / "d.parquet")):
+        ds = SFTDataset(load_or_tokenize([path], tokenizer, options(), tmp_path / "cache"))
+        assert len(ds) == 2
+        item = ds[1]
+        assert tokenizer.decode(item["input_ids"][item["loss_mask"]]) == "Paris.<|im_end|>"
+
+
+def test_truncation_policies(tmp_path, tokenizer):
+    long = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok " * 50}]}
+    path = write_jsonl([long], tmp_path / "long.jsonl")
+    with pytest.raises(DataError, match=r"long\.jsonl row 0: sequence has \d+ tokens > data.max_length=64"):
+        load_or_tokenize([path], tokenizer, options(max_length=64), tmp_path / "c")
+    full = SFTDataset(load_or_tokenize([path], tokenizer, options(max_length=4096), tmp_path / "c"))[0]
+    right = SFTDataset(load_or_tokenize([path], tokenizer, options(max_length=64, truncation="right"), tmp_path / "c"))[0]
+    left = SFTDataset(load_or_tokenize([path], tokenizer, options(max_length=64, truncation="left"), tmp_path / "c"))[0]
+    assert torch.equal(right["input_ids"], full["input_ids"][:64])
+    assert torch.equal(left["input_ids"], full["input_ids"][-64:])
+    assert torch.equal(left["loss_mask"], full["loss_mask"][-64:])
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"text": "hi"}, "row has neither 'messages' nor 'prompt'/'response'"),
+        ({"messages": []}, "empty conversation"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
+        ({"messages": [{"role": "user", "content": 3}]}, "content must be a string"),
+        ({"messages": [{"role": "user"}]}, "must have 'role' and 'content'"),
+        ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
+    ],
+)
+def test_bad_row_names_file_and_row(tmp_path, tokenizer, row, message):
+    good = {"messages": CONVERSATION}
+    path = write_jsonl([good, good, row], tmp_path / "bad.jsonl")
+    with pytest.raises(DataError) as err:
+        load_or_tokenize([path], tokenizer, options(), tmp_path / "c")
+    assert "bad.jsonl row 2:" in str(err.value) and message in str(err.value)
+    skipped = load_or_tokenize([path], tokenizer, options(bad_rows="skip"), tmp_path / "c")
+    assert skipped["skipped_rows"] == 1 and skipped["offsets"].numel() == 3
+
+
+def test_invalid_json_line(tmp_path, tokenizer):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"broken\.jsonl row 1: not valid JSON"):
+        load_or_tokenize([str(path)], tokenizer, options(), tmp_path / "c")
+
+
+def test_cache_is_reused_and_keyed_by_contents(tmp_path, tokenizer):
+    path = write_jsonl([{"messages": CONVERSATION}], tmp_path / "d.jsonl")
+    cache = tmp_path / "cache"
+    first = load_or_tokenize([path], tokenizer, options(), cache)
+    assert len(list(cache.glob("*.pt"))) == 1
+    again = load_or_tokenize([path], tokenizer, options(), cache)
+    assert torch.equal(first["input_ids"], again["input_ids"]) and len(list(cache.glob("*.pt"))) == 1
+    write_jsonl([{"messages": CONVERSATION[:3]}], tmp_path / "d.jsonl")  # new contents, new entry
+    changed = load_or_tokenize([path], tokenizer, options(), cache)
+    assert len(list(cache.glob("*.pt"))) == 2 and changed["input_ids"].numel() < first["input_ids"].numel()

@@ -1,0 +1,49 @@
+import pytest
+
+from hpsft.config import ConfigError, load_config, to_yaml
+from hpsft.config.schema import SFTConfig
+
+
+def test_defaults_overrides_and_yaml_file(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("optim:\n  lr: 0.5\ntrainer:\n  total_steps: 7\n")
+    cfg = load_config(cfg_file, ["optim.lr=3e-4", "data.train_files=[a.parquet,b.jsonl]"])
+    assert isinstance(cfg, SFTConfig)
+    assert cfg.optim.lr == 3e-4  # the command line wins over the file
+    assert cfg.trainer.total_steps == 7
+    assert cfg.data.train_files == ["a.parquet", "b.jsonl"]
+    assert cfg.trainer.output_dir == "runs/default"
+    assert load_config(None, []) == SFTConfig()
+    # The resolved YAML round-trips to the same config.
+    (tmp_path / "resolved.yaml").write_text(to_yaml(cfg))
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception, match="cannot assign"):
+        cfg.optim.lr = 1.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lrr=1", "unknown config key 'optim.lrr'; valid keys here: betas, eps, grad_clip, lr"),
+        ("foo.bar=1", "unknown config key 'foo'; valid keys here: data, engine, model, optim, trainer"),
+        ("trainer.total_steps=abc", "bad value for config key 'trainer.total_steps'"),
+        ("engine.zero_stage=5", "engine.zero_stage=5 is not one of [0, 1, 2, 3]"),
+        ("data.truncation=middle", "data.truncation='middle' is not one of ['error', 'left', 'right']"),
+        ("engine.offload_params=true", "engine.offload_params needs engine.zero_stage=3"),
+        ("optim", "override 'optim' is not of the form key=value"),
+    ],
+)
+def test_bad_config_names_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")

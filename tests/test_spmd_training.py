@@ -1,0 +1,94 @@
+"""The SPMD trainer end to end through its real entry points, in fresh processes (gloo, CPU)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet
+
+CHECK_SCRIPT = str(REPO / "tests" / "dist_scripts" / "train_and_check_export.py")
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def weights(run_dir) -> dict:
+    return load_file(Path(run_dir) / "hf" / "model.safetensors")
+
+
+def max_rel_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)).item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage, launcher", [(1, "deepspeed"), (2, "torchrun"), (3, "torchrun")])
+def test_zero_stage_trains_two_ranks_and_exports(tmp_path, model_path, chat_rows, zero_stage, launcher):
+    # 8 conversations, 8 per step: every step sees the same data, so the loss must fall.
+    train = write_parquet([{"messages": c} for c in chat_rows[:8]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[8:12]], tmp_path / "val.parquet")
+    out = tmp_path / "run"
+    proc = run_cli(None, base_overrides(model_path, train, val, out, **{
+        "engine.zero_stage": zero_stage, "trainer.total_steps": 4, "data.micro_batch_size_per_gpu": 2,
+    }), nproc=2, script=CHECK_SCRIPT, launcher=launcher)
+    assert_ok(proc)
+    losses = [m["train/loss"] for m in read_metrics(out)]
+    assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_4"
+    assert sorted(p.name for p in (out / "checkpoints" / "global_step_4").glob("trainer_state_rank*.pt")) == [
+        "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
+    check = json.loads((out / "export_check.json").read_text())
+    assert check["max_rel_logit_diff"] < 1e-5
+    assert "<|im_start|>" in check["chat_template"]
+
+
+@pytest.mark.slow
+def test_dp_and_micro_batch_invariance(tmp_path, model_path, tiny_data):
+    """(1 process, 1 micro-batch of 4) == (2 processes, 2 micro-batches of 1 each)."""
+    train, val = tiny_data
+    common = {"data.train_batch_size": 4, "trainer.total_steps": 2, "engine.zero_stage": 2}
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, one, **common,
+                                                    **{"data.micro_batch_size_per_gpu": 4})))
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, two, **common,
+                                                    **{"data.micro_batch_size_per_gpu": 1}), nproc=2))
+    m1, m2 = read_metrics(one), read_metrics(two)
+    assert m1[0]["perf/micro_batches_per_rank"] == 1 and m2[0]["perf/micro_batches_per_rank"] == 2
+    for a, b in zip(m1, m2):
+        assert a["train/loss_tokens"] == b["train/loss_tokens"]
+        assert rel_diff(a["train/loss"], b["train/loss"]) < 1e-5
+        assert rel_diff(a["train/grad_norm"], b["train/grad_norm"]) < 1e-5
+    assert max_rel_weight_diff(weights(one), weights(two)) < 1e-5
+
+
+@pytest.mark.slow
+def test_stop_and_resume_reproduces_the_run(tmp_path, model_path, tiny_data):
+    """6 steps straight == 3 steps, stop, resume, 3 more (crossing an epoch boundary)."""
+    train, val = tiny_data
+    common = {"data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2, "trainer.total_steps": 6,
+              "trainer.save_every": 2}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, straight, **common)))
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, resumed, **common,
+                                                    **{"trainer.stop_at_step": 3})))
+    assert (resumed / "checkpoints" / "latest").read_text().strip() == "global_step_3"
+    assert not (resumed / "hf").exists()
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, val, resumed, **common))
+    assert_ok(proc)
+    assert "resumed from" in proc.stdout and "global_step_3" in proc.stdout
+    a = {m["step"]: m for m in read_metrics(straight)}
+    b = {m["step"]: m for m in read_metrics(resumed)}
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert rel_diff(a[step]["train/loss"], b[step]["train/loss"]) < 1e-6, step
+    assert max_rel_weight_diff(weights(straight), weights(resumed)) < 1e-6
