@@ -63,22 +63,34 @@ def chunked_linear_cross_entropy(
     return (*outputs, grad_x, grad_w, grad_b)
 
 
+def _rows_to_tokens(grad_rows, positions, total_tokens):
+    # index_copy, not index_add (what index_select's backward uses): positions are unique, and
+    # index_add on CPU is orders of magnitude slower in torch 2.13.
+    grad = grad_rows.new_zeros(total_tokens, grad_rows.shape[1])
+    return grad.index_copy_(0, positions, grad_rows)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(x, weight, bias) -> (loss, zloss rows, logprob rows); loss is sum_i s_i loss_i if reduce else loss rows."""
+    """(hidden, weight, bias) -> (loss, zloss rows, logprob rows) over the rows `positions` of hidden.
+
+    loss is sum_i row_scale_i * loss_i when reduce, else the per-row losses.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows):
+    def forward(ctx, hidden, positions, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows):
         ctx.reduce, ctx.options, ctx.row_kernel, ctx.chunk_rows = reduce, options, row_kernel, chunk_rows
-        ctx.grad_dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        need_grads = ctx.needs_input_grad[:3] if reduce else (False, False, False)
+        ctx.total_tokens = hidden.shape[0]
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4])
+        x = hidden.index_select(0, positions)
         loss, zloss, logprob, grad_x, grad_w, grad_b = chunked_linear_cross_entropy(
-            x, weight, bias, labels, row_scale, options, row_kernel, chunk_rows, need_grads
+            x, weight, bias, labels, row_scale, options, row_kernel, chunk_rows, needs_grad if reduce else (False,) * 3
         )
         if reduce:
-            ctx.save_for_backward(grad_x, grad_w, grad_b)
+            ctx.save_for_backward(positions, grad_x, grad_w, grad_b)
             loss = (loss * row_scale).sum()
         else:
-            ctx.save_for_backward(x, weight, bias, labels)
+            ctx.save_for_backward(positions, x, weight, bias, labels)
         ctx.mark_non_differentiable(zloss, logprob)
         return loss, zloss, logprob
 
@@ -86,12 +98,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_zloss, _grad_logprob):
         if ctx.reduce:
-            grads = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
+            positions, *grads = ctx.saved_tensors
+            grads = [None if g is None else g * grad_loss for g in grads]
         else:
-            x, weight, bias, labels = ctx.saved_tensors
+            positions, x, weight, bias, labels = ctx.saved_tensors
             row_scale = grad_loss.to(compute_dtype_for(x.dtype))
+            needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4])
             grads = chunked_linear_cross_entropy(
-                x, weight, bias, labels, row_scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.needs_input_grad[:3]
+                x, weight, bias, labels, row_scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, needs_grad
             )[3:]
         grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.grad_dtypes)]
-        return (*grads, None, None, None, None, None, None)
+        if grads[0] is not None:
+            grads[0] = _rows_to_tokens(grads[0], positions, ctx.total_tokens)
+        grad_hidden, grad_weight, grad_bias = grads
+        return grad_hidden, None, grad_weight, grad_bias, None, None, None, None, None, None
