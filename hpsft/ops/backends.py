@@ -37,8 +37,10 @@ def _load(name: str, device: torch.device, dtype: torch.dtype) -> tuple[RowKerne
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return None, f"Triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before import) for {device} tensors"
-        from hpsft.ops.row_kernel_triton import load_triton_row_kernel
-
+        try:
+            from hpsft.ops.row_kernel_triton import load_triton_row_kernel
+        except ImportError as error:
+            return None, f"Triton is not importable ({error})"
         return load_triton_row_kernel()
     raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
 
@@ -51,9 +53,8 @@ def select_row_kernel(requested: str, device: torch.device, dtype: torch.dtype) 
         if kernel is None:
             raise RuntimeError(f"backend={requested!r} cannot run: {reason}")
         return requested, kernel
-    candidates = ("cuda", "triton", "torch") if device.type == "cuda" else ("cpp", "torch")
-    for name in candidates:
+    native = ("cuda", "triton") if device.type == "cuda" else ("cpp",)
+    for name in (*native, "torch"):  # torch always loads
         kernel, _ = _load(name, device, dtype)
         if kernel is not None:
             return name, kernel
-    raise AssertionError("unreachable: the torch backend always loads")
