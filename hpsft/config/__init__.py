@@ -6,11 +6,12 @@ from hpsft.config.schema import (
     EngineConfig,
     ModelConfig,
     OptimConfig,
+    RayConfig,
     SFTConfig,
     TrainerConfig,
 )
 
 __all__ = [
     "ConfigError", "load_config", "to_yaml",
-    "DataConfig", "EngineConfig", "ModelConfig", "OptimConfig", "SFTConfig", "TrainerConfig",
+    "DataConfig", "EngineConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
 ]

@@ -128,9 +128,27 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """The Ray path only (python -m hpsft.train_ray); the SPMD path ignores it."""
+
+    address: Optional[str] = None  # None: start a local Ray instance sized for this machine; else ray.init(address)
+    nnodes: int = 1
+    n_workers_per_node: int = 2  # one DeepSpeed rank each; a GPU each where the cluster has GPUs
+    cpus_per_worker: float = 1.0  # fractional values let several ranks share a core
+    max_restarts: int = 0  # on a dead worker: recreate the group and resume from the last checkpoint
+    placement_timeout_s: float = 120.0  # fail when the cluster cannot hold the workers within this time
+
+    def __post_init__(self):
+        for name in ("nnodes", "n_workers_per_node", "cpus_per_worker", "placement_timeout_s"):
+            check_positive("ray", name, getattr(self, name))
+        check_positive("ray", "max_restarts", self.max_restarts, allow_zero=True)
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

@@ -49,17 +49,20 @@ def build_dataset(files, tokenizer, data_config) -> SFTDataset:
 
 
 class SFTTrainer:
+    # What a checkpoint's trainer state belongs to: a resume must be of the same kind.
+    checkpoint_mode = "spmd"
+
     def __init__(self, config: SFTConfig):
         self.config = config
-        distributed.init_distributed(config.engine.dist_backend)
-        self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        self.rank, self.world_size, self.dp_size = self.place_process()
         seed_everything(config.trainer.seed)
         data = config.data
-        if data.train_batch_size % self.world_size:
+        if data.train_batch_size % self.dp_size:
             raise ValueError(
                 f"data.train_batch_size={data.train_batch_size} is not divisible by the "
-                f"{self.world_size} data-parallel ranks"
+                f"{self.dp_size} data-parallel ranks"
             )
+        # Sequences this process loads per step (its share under SPMD; all of them on a Ray driver).
         self.batch_per_rank = data.train_batch_size // self.world_size
 
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
@@ -70,8 +73,7 @@ class SFTTrainer:
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()
 
-        self.worker = TrainingWorker(config.model, config.engine, config.optim, data, self.total_steps)
-        self.worker.init_model()
+        self.worker = self.build_worker()
 
         # Everything that can fail on bad input has run: only now does the run directory appear.
         self.run_dir = Path(config.trainer.output_dir)
@@ -84,11 +86,29 @@ class SFTTrainer:
         self.resume()
         self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
 
-    def build_train_loader(self) -> StatefulDataLoader:
-        self.sampler = DistributedSampler(
+    def place_process(self) -> tuple[int, int, int]:
+        """This process's rank and world size in torch.distributed, and the data-parallel size."""
+        distributed.init_distributed(self.config.engine.dist_backend)
+        return distributed.rank(), distributed.world_size(), distributed.world_size()
+
+    def worker_args(self) -> tuple:
+        """TrainingWorker's constructor arguments, alike in this process and in a Ray actor."""
+        config = self.config
+        return (config.model, config.engine, config.optim, config.data, self.total_steps)
+
+    def build_worker(self):
+        worker = TrainingWorker(*self.worker_args())
+        worker.init_model()
+        return worker
+
+    def build_sampler(self):
+        return DistributedSampler(
             self.train_dataset, num_replicas=self.world_size, rank=self.rank,
             shuffle=self.config.data.shuffle, seed=self.config.trainer.seed, drop_last=True,
         )
+
+    def build_train_loader(self) -> StatefulDataLoader:
+        self.sampler = self.build_sampler()
         loader = StatefulDataLoader(
             self.train_dataset, batch_size=self.batch_per_rank, sampler=self.sampler,
             collate_fn=collate_jagged, drop_last=True, num_workers=self.config.data.num_workers,
@@ -113,15 +133,18 @@ class SFTTrainer:
         if mode == "disable":
             return
         checkpoint = self.checkpoints.latest() if mode == "auto" else CheckpointManager.resolve(mode)
-        if checkpoint is None:
-            return
-        self.worker.load_checkpoint(str(checkpoint.parent), checkpoint.name)
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
+
+    def load_checkpoint(self, checkpoint: Path) -> None:
         state = CheckpointManager.load_rank_state(checkpoint, self.rank)
-        if state["world_size"] != self.world_size:
+        if (state["mode"], state["dp_size"]) != (self.checkpoint_mode, self.dp_size):
             raise ValueError(
-                f"{checkpoint} was written by {state['world_size']} ranks, this run has "
-                f"{self.world_size}: resume with the same data-parallel size"
+                f"{checkpoint} was written by a {state['mode']} run with {state['dp_size']} data-parallel "
+                f"ranks, this is a {self.checkpoint_mode} run with {self.dp_size}: resume with the same "
+                "kind of run and data-parallel size"
             )
+        self.worker.load_checkpoint(str(checkpoint.parent), checkpoint.name)
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.sampler.set_epoch(self.epoch)
         self.train_loader.load_state_dict(state["dataloader"])
@@ -135,7 +158,8 @@ class SFTTrainer:
         self.checkpoints.save_rank_state(step, self.rank, {
             "global_step": step,
             "epoch": self.epoch,
-            "world_size": self.world_size,
+            "mode": self.checkpoint_mode,
+            "dp_size": self.dp_size,
             "dataloader": self.train_loader.state_dict(),
             "rng": rng_state(),
         })

@@ -1,0 +1,12 @@
+"""The Ray path: a driver (RaySFTTrainer) and a group of TrainingWorker actors."""
+
+from hpsft.ray.sft_trainer import RaySFTTrainer
+from hpsft.ray.worker_group import (
+    ClassWithInitArgs,
+    PerRank,
+    RayWorkerGroup,
+    WorkerDiedError,
+    WorkerFailedError,
+)
+
+__all__ = ["RaySFTTrainer", "ClassWithInitArgs", "PerRank", "RayWorkerGroup", "WorkerDiedError", "WorkerFailedError"]

@@ -1,0 +1,65 @@
+"""The worker group seen from the driver as one TrainingWorker that takes whole global batches.
+
+The driver sees every sequence of a step, so it computes lengths and the step's loss-token
+count itself (no all-gather), splits the batch into per-rank shards balanced by tokens,
+sends each rank its shard and gathers the results. Which rank gets which sequence does not
+change the step: the loss is normalised by the loss tokens of the whole global batch.
+"""
+
+import torch
+
+from hpsft.data.batch import select, seqlens
+from hpsft.ray.worker_group import PerRank, RayWorkerGroup
+
+# train_batch results that every rank reports alike; all the others (loss sums, token and
+# flop counts, ...) add up over ranks, as SPMD's step metrics all-reduce them.
+SAME_ON_ALL_RANKS = ("grad_norm", "lr", "micro_batches")
+
+
+def split_by_tokens(lengths: list[int], n_shards: int) -> list[list[int]]:
+    """`n_shards` lists of sample positions whose sizes differ by at most one (every rank
+    then runs the same micro-batch count as under SPMD) and whose token counts are
+    balanced: longest first onto the least-loaded shard that still has room."""
+    capacity = [len(lengths) // n_shards + (r < len(lengths) % n_shards) for r in range(n_shards)]
+    shards: list[list[int]] = [[] for _ in range(n_shards)]
+    loads = [0] * n_shards
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        rank = min((r for r in range(n_shards) if len(shards[r]) < capacity[r]), key=lambda r: loads[r])
+        shards[rank].append(i)
+        loads[rank] += lengths[i]
+    return [sorted(shard) for shard in shards]
+
+
+class DataParallelWorker:
+    def __init__(self, group: RayWorkerGroup):
+        self.group = group
+
+    def shard(self, batch) -> tuple[list[list[int]], PerRank]:
+        positions = split_by_tokens(seqlens(batch).tolist(), self.group.world_size)
+        return positions, PerRank(select(batch, p) for p in positions)
+
+    def train_batch(self, batch) -> dict:
+        _, shards = self.shard(batch)
+        global_loss_tokens = int(batch["loss_mask"].values().sum())
+        outs = self.group.train_batch(shards, global_loss_tokens=global_loss_tokens).get()
+        return {key: outs[0][key] if key in SAME_ON_ALL_RANKS else sum(out[key] for out in outs) for key in outs[0]}
+
+    def infer_batch(self, batch) -> dict:
+        """Per-sequence results of every rank, put back in the batch's order."""
+        positions, shards = self.shard(batch)
+        outs = self.group.infer_batch(shards).get()
+        gathered = {}
+        for key, first in outs[0].items():
+            gathered[key] = torch.zeros(batch.batch_size[0], dtype=first.dtype)
+            for rank_positions, out in zip(positions, outs):
+                gathered[key][torch.as_tensor(rank_positions, dtype=torch.int64)] = out[key]
+        return gathered
+
+    def save_checkpoint(self, root: str, tag: str) -> None:
+        self.group.save_checkpoint(root, tag).get()
+
+    def load_checkpoint(self, root: str, tag: str) -> None:
+        self.group.load_checkpoint(root, tag).get()
+
+    def export_hf(self, out_dir: str, tokenizer) -> None:
+        self.group.export_hf(out_dir, tokenizer).get()  # rank 0 writes; every rank gathers

@@ -1,0 +1,81 @@
+"""RaySFTTrainer: the SPMD trainer's builder sequence, fit(), validation, checkpoints,
+resume, tracking and progress bar, run by one driver over a RayWorkerGroup.
+
+The driver is a single process outside torch.distributed (rank 0 of a world of one): it
+loads whole global batches (the same sequences per step as the SPMD ranks together) and
+hands them to DataParallelWorker, which shards them over the group. Checkpoint mode
+"ray": the workers write their engine shards, the driver one trainer state (data loader,
+RNG, step). A dead worker stops the run with an error naming its rank; with
+ray.max_restarts > 0 the driver builds a new group and goes on from the last checkpoint.
+"""
+
+from pathlib import Path
+
+from hpsft.config import SFTConfig
+from hpsft.ray.data_parallel import DataParallelWorker
+from hpsft.ray.resource_pool import RayResourcePool
+from hpsft.ray.sampler import RankInterleavedSampler
+from hpsft.ray.worker_group import ClassWithInitArgs, RayWorkerGroup, WorkerDiedError
+from hpsft.trainer.checkpoint import CheckpointManager
+from hpsft.trainer.sft_trainer import SFTTrainer, seed_everything
+from hpsft.workers import TrainingWorker
+
+
+class RaySFTTrainer(SFTTrainer):
+    checkpoint_mode = "ray"
+
+    def __init__(self, config: SFTConfig):
+        self.last_checkpoint: Path | None = None  # where a restart goes back to
+        super().__init__(config)
+
+    def place_process(self) -> tuple[int, int, int]:
+        return 0, 1, self.config.ray.nnodes * self.config.ray.n_workers_per_node
+
+    def build_sampler(self) -> RankInterleavedSampler:
+        return RankInterleavedSampler(
+            self.train_dataset, self.dp_size, self.config.data.train_batch_size // self.dp_size,
+            shuffle=self.config.data.shuffle, seed=self.config.trainer.seed,
+        )
+
+    def build_worker(self) -> DataParallelWorker:
+        cfg = self.config
+        pool = RayResourcePool(cfg.ray.nnodes, cfg.ray.n_workers_per_node, cfg.ray.cpus_per_worker,
+                               cfg.ray.placement_timeout_s)
+        worker = ClassWithInitArgs(TrainingWorker, self.worker_args())
+        group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend)
+        group.init_model().get()
+        return DataParallelWorker(group)
+
+    def load_checkpoint(self, checkpoint: Path) -> None:
+        super().load_checkpoint(checkpoint)
+        self.last_checkpoint = checkpoint
+
+    def save_checkpoint(self) -> None:
+        super().save_checkpoint()
+        self.last_checkpoint = self.checkpoints.root / CheckpointManager.tag(self.global_step)
+
+    def fit(self) -> None:
+        restarts = 0
+        while True:
+            try:
+                return super().fit()
+            except WorkerDiedError as err:  # the group has already killed its other ranks
+                if restarts == self.config.ray.max_restarts:
+                    raise
+                restarts += 1
+                print(f"{err}\nrestart {restarts}/{self.config.ray.max_restarts}: new worker group, "
+                      f"resuming from {self.last_checkpoint or 'the start'}", flush=True)
+                self.worker = self.build_worker()
+                self.go_back_to_last_checkpoint()
+
+    def go_back_to_last_checkpoint(self) -> None:
+        if self.last_checkpoint is not None:
+            self.load_checkpoint(self.last_checkpoint)
+            return
+        seed_everything(self.config.trainer.seed)
+        self.global_step, self.epoch = 0, 0
+        self.train_loader = self.build_train_loader()
+
+    def close(self) -> None:
+        """Free the workers and their placement groups (the Ray instance stays)."""
+        self.worker.group.shutdown()

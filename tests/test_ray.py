@@ -1,0 +1,225 @@
+"""The Ray path: one driver, a group of TrainingWorker actors (gloo, CPU, 2 workers).
+
+One local Ray instance serves every test of this module: drivers run in this process or
+join it with ray.address. The job-submission test starts its own head (it needs the
+dashboard) and stops it by its PID.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hpsft.config import load_config
+from hpsft.distributed import free_port
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env, write_parquet
+from tests.test_spmd_training import assert_ok, max_rel_weight_diff, rel_diff, weights
+
+ray = pytest.importorskip("ray")
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1"}
+# Two ranks share the two cores of a test machine (and leave room for a restarted group).
+RAY_WORKERS = {"ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5}
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """A local Ray instance for this module; its actors inherit this process's environment."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**train_env(), **RAY_ENV}.items():
+            patch.setenv(key, value)
+        ray.init(num_cpus=2, include_dashboard=False)
+        try:
+            yield ray.get_runtime_context().gcs_address
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, chat_rows):
+    """16 train and 8 validation conversations."""
+    root = tmp_path_factory.mktemp("ray_data")
+    return (
+        write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet"),
+        write_parquet([{"messages": c} for c in chat_rows[16:24]], root / "val.parquet"),
+    )
+
+
+def ray_config(model_path, data, out_dir, **extra):
+    train, val = data
+    return load_config(None, base_overrides(model_path, train, val, out_dir, **{**RAY_WORKERS, **extra}))
+
+
+def run_driver(config, during_fit=None):
+    """Train with a RaySFTTrainer in this process; `during_fit(trainer)` runs in a thread."""
+    from hpsft.ray import RaySFTTrainer
+
+    trainer = RaySFTTrainer(config)
+    try:
+        if during_fit is not None:
+            threading.Thread(target=during_fit, args=(trainer,), daemon=True).start()
+        trainer.fit()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def last_per_step(run_dir) -> dict:
+    """step -> metrics; a step re-run after a restart counts with its last record."""
+    return {m["step"]: m for m in read_metrics(run_dir)}
+
+
+@pytest.mark.slow
+def test_ray_matches_spmd(tmp_path, model_path, data, ray_address):
+    """2 Ray workers == 2 torchrun ranks: every step's loss and the final weights (fp32)."""
+    train, val = data
+    common = {"trainer.total_steps": 3, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 2}
+    spmd, on_ray = tmp_path / "spmd", tmp_path / "ray"
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, spmd, **common), nproc=2))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpsft.train_ray",
+         *base_overrides(model_path, train, val, on_ray, **common, **RAY_WORKERS, **{"ray.address": ray_address})],
+        cwd=REPO, env={**train_env(), **RAY_ENV}, capture_output=True, text=True, timeout=600,
+    )
+    assert_ok(proc)
+    a, b = read_metrics(spmd), read_metrics(on_ray)
+    assert [m["step"] for m in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        assert x["train/loss_tokens"] == y["train/loss_tokens"]
+        assert rel_diff(x["train/loss"], y["train/loss"]) <= 1e-5, (x["step"], x["train/loss"], y["train/loss"])
+    assert rel_diff(a[-1]["val/loss"], b[-1]["val/loss"]) <= 1e-5
+    assert max_rel_weight_diff(weights(spmd), weights(on_ray)) <= 1e-5
+    # Checkpoint mode "ray": engine shards from both workers, one trainer state from the driver.
+    checkpoint = on_ray / "checkpoints" / "global_step_3"
+    assert sorted(p.name for p in checkpoint.glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert [p.name for p in checkpoint.glob("trainer_state_*.pt")] == ["trainer_state_rank0.pt"]
+
+
+ZERO3 = {"engine.zero_stage": 3, "data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2,
+         "trainer.total_steps": 4, "trainer.save_every": 2}
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, model_path, data, ray_address):
+    """ZeRO-3 under Ray, 4 steps straight, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("zero3") / "straight"
+    run_driver(ray_config(model_path, data, out, **ZERO3))
+    return out
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_resumed_by_a_new_driver(tmp_path, model_path, data, zero3_run):
+    resumed = tmp_path / "resumed"
+    checkpoint = zero3_run / "checkpoints" / "global_step_2"
+    run_driver(ray_config(model_path, data, resumed, **ZERO3, **{"trainer.resume": str(checkpoint)}))
+    straight, again = last_per_step(zero3_run), last_per_step(resumed)
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        assert rel_diff(straight[step]["train/loss"], again[step]["train/loss"]) <= 1e-6, step
+    assert max_rel_weight_diff(weights(zero3_run), weights(resumed)) <= 1e-6
+
+
+def kill_a_worker_after_step(step: int, record: dict):
+    """A during_fit action: SIGKILL rank 1's process once `step` has been logged."""
+
+    def action(trainer):
+        metrics = Path(trainer.run_dir) / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= step):
+            time.sleep(0.05)
+        record["pid"] = trainer.worker.group.pids[1]
+        record["killed_at"] = time.monotonic()
+        os.kill(record["pid"], signal.SIGKILL)
+
+    return action
+
+
+@pytest.mark.slow
+def test_killed_worker_stops_the_driver_naming_the_rank(tmp_path, model_path, data, ray_address):
+    from hpsft.ray import WorkerDiedError
+
+    record = {}
+    config = ray_config(model_path, data, tmp_path / "run", **{"trainer.total_steps": 6})
+    with pytest.raises(WorkerDiedError) as err:
+        run_driver(config, during_fit=kill_a_worker_after_step(1, record))
+    assert time.monotonic() - record["killed_at"] < 20
+    assert f"worker rank 1 (pid {record['pid']}) died" in str(err.value)
+    # The whole group is gone, not left blocked in a collective: its resources are free again.
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_from_the_last_checkpoint(tmp_path, model_path, data, zero3_run, capsys):
+    """With a restart allowed, the run goes back to step 2's checkpoint and finishes with the
+    weights of the uninterrupted run (which a new driver resumed from step 2 reproduces)."""
+    out = tmp_path / "run"
+    record = {}
+    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 1}),
+               during_fit=kill_a_worker_after_step(3, record))
+    assert "restart 1/1" in capsys.readouterr().out
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_4"
+    straight, restarted = last_per_step(zero3_run), last_per_step(out)
+    assert sorted(restarted) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert rel_diff(straight[step]["train/loss"], restarted[step]["train/loss"]) <= 1e-6, step
+    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
+
+
+def wait_for_dashboard(url: str, head: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert head.poll() is None, f"ray start --head exited with {head.returncode}"
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"the Ray head's dashboard at {url} did not answer within {timeout} s")
+
+
+@pytest.mark.slow
+def test_ray_job_submit_to_a_local_head(tmp_path, model_path, data):
+    """scripts/ray_submit.sh against `ray start --head` (with its dashboard) writes a run."""
+    train, _ = data
+    dashboard = f"http://127.0.0.1:{free_port()}"
+    env = {**train_env(), **RAY_ENV}
+    env.pop("RAY_ADDRESS", None)
+    temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray's socket paths must fit
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
+         "--num-cpus", "2", "--dashboard-host", "127.0.0.1", "--dashboard-port", dashboard.rsplit(":", 1)[1],
+         "--disable-usage-stats", "--temp-dir", temp_dir],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        wait_for_dashboard(dashboard, head)
+        out = tmp_path / "run"
+        for _ in range(30):  # the head's job agent comes up a little after its dashboard
+            proc = subprocess.run(
+                [str(REPO / "scripts" / "ray_submit.sh"),
+                 *base_overrides(model_path, train, None, out, **RAY_WORKERS, **{"trainer.total_steps": 2})],
+                cwd=REPO, env={**env, "RAY_ADDRESS": dashboard, "PYTHON": sys.executable},
+                capture_output=True, text=True, timeout=600,
+            )
+            if "No available agent to submit job" not in proc.stderr:
+                break
+            time.sleep(2)
+        assert_ok(proc)
+        assert "succeeded" in proc.stdout + proc.stderr
+        assert [m["step"] for m in read_metrics(out)] == [1, 2]
+        assert (out / "config.yaml").is_file() and (out / "hf" / "model.safetensors").is_file()
+        assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops what it started
+        head.wait(timeout=60)
