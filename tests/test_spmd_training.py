@@ -52,16 +52,19 @@ def test_zero_stage_trains_two_ranks_and_exports(tmp_path, model_path, chat_rows
 
 
 @pytest.mark.slow
-def test_dp_and_micro_batch_invariance(tmp_path, model_path, tiny_data):
-    """(1 process, 1 micro-batch of 4) == (2 processes, 2 micro-batches of 1 each)."""
+@pytest.mark.parametrize("split", ["fixed", "token_budget"])
+def test_dp_and_micro_batch_invariance(tmp_path, model_path, tiny_data, split):
+    """(1 process, 1 micro-batch of 4) == (2 processes, 2 micro-batches each), the second
+    split by a fixed size of 1 sequence or by a token budget."""
     train, val = tiny_data
     common = {"data.train_batch_size": 4, "trainer.total_steps": 2, "engine.zero_stage": 2}
+    two_split = ({"data.micro_batch_size_per_gpu": 1} if split == "fixed"
+                 else {"data.max_tokens_per_micro_batch": 70})  # the 2 sequences of a rank exceed 70
     one = tmp_path / "one"
     two = tmp_path / "two"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, one, **common,
                                                     **{"data.micro_batch_size_per_gpu": 4})))
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, two, **common,
-                                                    **{"data.micro_batch_size_per_gpu": 1}), nproc=2))
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, two, **common, **two_split), nproc=2))
     m1, m2 = read_metrics(one), read_metrics(two)
     assert m1[0]["perf/micro_batches_per_rank"] == 1 and m2[0]["perf/micro_batches_per_rank"] == 2
     for a, b in zip(m1, m2):
@@ -73,9 +76,10 @@ def test_dp_and_micro_batch_invariance(tmp_path, model_path, tiny_data):
 
 @pytest.mark.slow
 def test_stop_and_resume_reproduces_the_run(tmp_path, model_path, tiny_data):
-    """6 steps straight == 3 steps, stop, resume, 3 more (crossing an epoch boundary)."""
+    """6 steps straight == 3 steps, stop, resume, 3 more (mid-epoch, then across an epoch
+    boundary), with token-budget micro-batches."""
     train, val = tiny_data
-    common = {"data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2, "trainer.total_steps": 6,
+    common = {"data.train_batch_size": 4, "data.max_tokens_per_micro_batch": 128, "trainer.total_steps": 6,
               "trainer.save_every": 2}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, straight, **common)))
@@ -90,5 +94,7 @@ def test_stop_and_resume_reproduces_the_run(tmp_path, model_path, tiny_data):
     b = {m["step"]: m for m in read_metrics(resumed)}
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
+        # Same sequences (token counts) and same loss: the resumed run saw exactly the next unseen samples.
+        assert a[step]["train/tokens"] == b[step]["train/tokens"], step
         assert rel_diff(a[step]["train/loss"], b[step]["train/loss"]) < 1e-6, step
     assert max_rel_weight_diff(weights(straight), weights(resumed)) < 1e-6

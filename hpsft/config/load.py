@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hpsft.config.schema import SFTConfig
 
@@ -23,10 +23,9 @@ def _valid_keys(node, key_path: str) -> list[str]:
 
 def _explain(err: OmegaConfBaseException, schema) -> str:
     key = getattr(err, "full_key", None) or ""
-    msg = str(err).splitlines()[0]
-    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
+    if isinstance(err, ConfigKeyError):
         return f"unknown config key '{key}'; valid keys here: {', '.join(_valid_keys(schema, key))}"
-    return f"bad value for config key '{key}': {msg}"
+    return f"bad value for config key '{key}': {str(err).splitlines()[0]}"
 
 
 def load_config(config_file: str | Path | None = None, overrides: list[str] = ()) -> SFTConfig:

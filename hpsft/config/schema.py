@@ -115,6 +115,7 @@ class TrainerConfig:
     log_every: int = 1
     export_hf: bool = True  # write the final model as a Hugging Face folder in <output_dir>/hf
     progress_bar: bool = True
+    peak_flops_per_device: Optional[float] = None  # MFU denominator; measured (a GEMM) at start-up when unset
 
     def __post_init__(self):
         check_positive("trainer", "total_epochs", self.total_epochs)

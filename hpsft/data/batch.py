@@ -50,6 +50,21 @@ def seqlens(batch: TensorDict) -> torch.Tensor:
     return batch["input_ids"].offsets().diff()
 
 
+def target_mask(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Tokens that are predicted targets: loss_mask without each sequence's first token
+    (nothing before it in its sequence predicts it)."""
+    targets = loss_mask.clone()
+    starts = offsets[:-1][offsets.diff() > 0]
+    targets[starts] = False
+    return targets
+
+
+def loss_token_count(batch: TensorDict) -> int:
+    if batch.batch_size[0] == 0:
+        return 0
+    return int(target_mask(batch["loss_mask"].values(), batch["input_ids"].offsets()).sum())
+
+
 def select(batch: TensorDict, indices) -> TensorDict:
     """Sub-batch of the given sample positions, in that order."""
     indices = torch.as_tensor(indices, dtype=torch.int64)

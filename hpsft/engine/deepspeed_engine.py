@@ -95,7 +95,7 @@ class DeepSpeedEngine(TrainEngine):
         return self.engine.device
 
     def to_device(self, micro_batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in micro_batch.items()}
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
 
     def train_batch(self, micro_batches, loss_fn) -> dict:
         self.engine.train()
@@ -107,13 +107,20 @@ class DeepSpeedEngine(TrainEngine):
             loss = loss_fn(out)
             self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
             outputs.append(tuple(o.detach() for o in out))
+        unsharded_norm = self.unsharded_grad_norm() if self.config.zero_stage == 0 else None
         self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
         return {
             "outputs": outputs,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": lr,
         }
+
+    def unsharded_grad_norm(self) -> float:
+        """Without ZeRO, DeepSpeed clips but does not report the norm: the grads are whole
+        (already all-reduced) on every rank, so take it before step() clears them."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads))
 
     @torch.no_grad()
     def infer_batch(self, micro_batches) -> list:

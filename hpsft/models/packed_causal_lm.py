@@ -10,6 +10,7 @@ attend to each other; `verify_packed_attention` checks a model really behaves.
 import torch
 from torch import nn
 
+from hpsft.data.batch import target_mask
 from hpsft.ops import varlen_linear_cross_entropy
 
 
@@ -29,14 +30,22 @@ class PackedCausalLM(nn.Module):
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         return out.last_hidden_state[0]
 
-    def forward(self, input_ids, position_ids, offsets, loss_mask):
+    def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False):
+        """(loss sum, loss-token count) of the row; per sequence, as (B,) tensors, if asked."""
         hidden = self.hidden_states(input_ids, position_ids)
         head = self.lm.get_output_embeddings()
         out = varlen_linear_cross_entropy(
-            hidden, head.weight, input_ids=input_ids[0], offsets=offsets, loss_mask=loss_mask,
-            reduction="sum", backend=self.loss_backend,
+            hidden, head.weight, getattr(head, "bias", None), input_ids=input_ids[0], offsets=offsets,
+            loss_mask=loss_mask, reduction="none" if per_sequence else "sum", backend=self.loss_backend,
         )
-        return out.loss, out.n_tokens
+        if not per_sequence:
+            return out.loss, out.n_tokens
+        lengths = offsets.diff()
+        sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        loss_sums = out.loss.new_zeros(lengths.numel()).index_add(0, sequence_of_row, out.loss)
+        targets = target_mask(loss_mask.bool(), offsets).long()
+        loss_tokens = torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)
+        return loss_sums, loss_tokens
 
     def logits(self, input_ids, position_ids):
         """Full logits of a packed row (for evaluation and checks, not for training)."""

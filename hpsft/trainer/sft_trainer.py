@@ -94,7 +94,8 @@ class SFTTrainer:
     def worker_args(self) -> tuple:
         """TrainingWorker's constructor arguments, alike in this process and in a Ray actor."""
         config = self.config
-        return (config.model, config.engine, config.optim, config.data, self.total_steps)
+        return (config.model, config.engine, config.optim, config.data, self.total_steps,
+                config.trainer.peak_flops_per_device)
 
     def build_worker(self):
         worker = TrainingWorker(*self.worker_args())
@@ -179,14 +180,14 @@ class SFTTrainer:
         for i in range(n_chunks):
             batch = collate_jagged([self.val_dataset[j] for j in chunks[i]]) if i < len(chunks) else empty_batch()
             out = self.worker.infer_batch(batch)
-            loss_sum += out["loss_sum"]
-            loss_tokens += out["loss_tokens"]
+            loss_sum += float(out["loss_sum"].sum())
+            loss_tokens += float(out["loss_tokens"].sum())
         loss_sum, loss_tokens = distributed.all_reduce_sum([loss_sum, loss_tokens])
         return loss_sum / max(loss_tokens, 1.0)
 
     def step_metrics(self, out: dict, step_time: float) -> dict:
-        loss_sum, loss_tokens, tokens, computed = distributed.all_reduce_sum(
-            [out["loss_sum"], out["loss_tokens"], out["tokens"], out["computed_tokens"]]
+        loss_sum, loss_tokens, tokens, computed, flops, peak = distributed.all_reduce_sum(
+            [out["loss_sum"], out["loss_tokens"], out["tokens"], out["computed_tokens"], out["flops"], out["peak_flops"]]
         )
         return {
             "train/loss": loss_sum / max(loss_tokens, 1.0),
@@ -197,6 +198,7 @@ class SFTTrainer:
             "perf/tokens_per_s": tokens / step_time,
             "perf/padding_efficiency": tokens / max(computed, 1.0),
             "perf/micro_batches_per_rank": out["micro_batches"],
+            "perf/mfu": flops / step_time / peak,  # peak: the sum of the devices' peaks
             "perf/step_time_s": step_time,
             "train/epoch": self.epoch,
         }

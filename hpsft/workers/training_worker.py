@@ -5,17 +5,17 @@ takes this rank's share of a global batch (a jagged TensorDict), splits it into
 micro-batches (as many as every other rank runs), and returns plain Python metrics.
 """
 
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from hpsft import distributed
-from hpsft.data.batch import packed_row, select, seqlens
+from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm, verify_packed_attention, write_hf_folder
+from hpsft.perf import measure_matmul_peak, model_flops
 
 
 def token_mean_loss(outputs, global_loss_tokens: int) -> torch.Tensor:
@@ -27,9 +27,12 @@ def token_mean_loss(outputs, global_loss_tokens: int) -> torch.Tensor:
 
 
 class TrainingWorker:
-    def __init__(self, model_config, engine_config, optim_config, data_config, total_steps: int):
+    def __init__(self, model_config, engine_config, optim_config, data_config, total_steps: int,
+                 peak_flops: float | None = None):
         self.model_config = model_config
+        self.engine_config = engine_config
         self.data_config = data_config
+        self.peak_flops = peak_flops  # per device; measured in init_model when None
         self.engine = DeepSpeedEngine(engine_config, optim_config, total_steps)
         self.loss_fn: Callable = token_mean_loss
 
@@ -38,7 +41,13 @@ class TrainingWorker:
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code)
         verify_packed_attention(lm)
         self.n_params = sum(p.numel() for p in lm.parameters())
+        self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         self.engine.initialize(PackedCausalLM(lm, cfg.loss_backend))
+        if self.peak_flops is None:
+            dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
+            rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
+            self.peak_flops = measure_matmul_peak(rows, lm.config.hidden_size, lm.config.intermediate_size,
+                                                  dtype, self.engine.device)
 
     def set_loss_fn(self, loss_fn: Callable) -> None:
         """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = (loss_sum, n_tokens)."""
@@ -62,31 +71,36 @@ class TrainingWorker:
         `global_loss_tokens` (the loss-token count of the whole global batch) is all-reduced
         here when not given; the Ray driver, which sees the whole batch, passes it in.
         """
-        start = time.perf_counter()
-        local_loss_tokens = int(batch["loss_mask"].values().sum()) if batch.batch_size[0] else 0
-        local_tokens = int(seqlens(batch).sum())
+        lengths = seqlens(batch).tolist()
+        local_loss_tokens = loss_token_count(batch)
         if global_loss_tokens is None:
             global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0])
         rows, _ = self.micro_batches(batch)
         result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
-        loss_sum = sum(float(o[0]) for o in result["outputs"])
-        computed = sum(r["input_ids"].numel() for r in rows)
         return {
-            "loss_sum": loss_sum,
+            "loss_sum": sum(float(o[0]) for o in result["outputs"]),
             "loss_tokens": local_loss_tokens,
-            "tokens": local_tokens,
-            "computed_tokens": computed,
+            "tokens": sum(lengths),
+            "computed_tokens": sum(r["input_ids"].numel() for r in rows),
             "micro_batches": len(rows),
+            "flops": model_flops(self.n_params, self.n_layers, self.hidden_size, lengths),
+            "peak_flops": self.peak_flops,
             "grad_norm": result["grad_norm"],
             "lr": result["lr"],
-            "time": time.perf_counter() - start,
         }
 
     def infer_batch(self, batch) -> dict:
-        """Sum of token losses and number of loss tokens of this rank's share (no gradients)."""
-        rows, _ = self.micro_batches(batch)
-        outputs = self.engine.infer_batch(rows)
-        return {"loss_sum": sum(float(o[0]) for o in outputs), "loss_tokens": sum(int(o[1]) for o in outputs)}
+        """Per-sequence loss sums and loss-token counts (no gradients), in the batch's order."""
+        n = batch.batch_size[0]
+        loss_sums = torch.zeros(n, dtype=torch.float64)
+        loss_tokens = torch.zeros(n, dtype=torch.int64)
+        rows, bins = self.micro_batches(batch)
+        for row, positions in zip(rows, bins):
+            sums, tokens = self.engine.infer_batch([{**row, "per_sequence": True}])[0]
+            if positions:  # an empty bin ran a placeholder row only to keep step with other ranks
+                loss_sums[positions] = sums.cpu().double()
+                loss_tokens[positions] = tokens.cpu()
+        return {"loss_sum": loss_sums, "loss_tokens": loss_tokens}
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         self.engine.save_checkpoint(root, tag)

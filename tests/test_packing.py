@@ -1,0 +1,119 @@
+"""Padding-free packing: packed rows == sequences alone; micro-batch plans; split invariance."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpsft.data.batch import collate_jagged, loss_token_count, packed_row, select, seqlens
+from hpsft.data.microbatch import first_fit_decreasing, min_micro_batches, plan_micro_batches
+from hpsft.models import PackedCausalLM, load_causal_lm, verify_packed_attention
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    torch.manual_seed(0)
+    return PackedCausalLM(load_causal_lm(model_path), loss_backend="auto").eval()
+
+
+def random_batch(lengths, vocab=49152, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, n in enumerate(lengths):
+        mask = torch.rand(n, generator=g) < 0.6
+        samples.append({"input_ids": torch.randint(0, vocab, (n,), generator=g), "loss_mask": mask, "index": i})
+    return collate_jagged(samples)
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 9, 1, 13], [17], [1]])
+def test_packed_forward_equals_each_sequence_alone(model, lengths):
+    batch = random_batch(lengths)
+    row = packed_row(batch)
+    with torch.no_grad():
+        packed = model.logits(row["input_ids"], row["position_ids"])
+        alone = torch.cat([model.lm(input_ids=batch[i]["input_ids"][None], use_cache=False).logits[0]
+                           for i in range(len(lengths))])
+    rel = ((packed - alone).abs().max() / alone.abs().max()).item()
+    assert rel <= 1e-5, rel
+
+
+def test_per_sequence_losses_match_an_independent_reference(model):
+    lengths = [6, 1, 11, 4]
+    batch = random_batch(lengths, seed=1)
+    row = packed_row(batch)
+    with torch.no_grad():
+        sums, counts = model(**row, per_sequence=True)
+        total, n_tokens = model(**row)
+        for i in range(len(lengths)):
+            ids, mask = batch[i]["input_ids"], batch[i]["loss_mask"]
+            logits = model.lm(input_ids=ids[None], use_cache=False).logits[0].double()
+            targets = mask[1:]  # position t predicts token t+1
+            ref = F.cross_entropy(logits[:-1][targets], ids[1:][targets], reduction="sum") if targets.any() else 0.0
+            assert counts[i].item() == int(targets.sum())
+            assert abs(sums[i].item() - float(ref)) <= 1e-5 * max(1.0, abs(float(ref)))
+    assert n_tokens.item() == counts.sum().item() == loss_token_count(batch)
+    assert abs(total.item() - sums.sum().item()) <= 1e-5 * total.item()
+
+
+def test_a_model_that_attends_across_sequences_is_refused(model_path):
+    lm = load_causal_lm(model_path)
+    verify_packed_attention(lm)  # the real model is fine
+    lm.config.use_cache = True
+    original = lm.forward
+
+    def leaky_forward(*args, position_ids=None, **kwargs):  # ignores the restarts
+        return original(*args, **kwargs)
+
+    lm.forward = leaky_forward
+    with pytest.raises(RuntimeError, match="attends across packed sequences"):
+        verify_packed_attention(lm)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_micro_batch_plans_place_every_sample_once_within_budget(seed):
+    rng = random.Random(seed)
+    budget = rng.choice([64, 100, 257])
+    lengths = [rng.randint(1, budget) for _ in range(rng.randint(0, 40))]
+    needed = min_micro_batches(lengths, None, budget)
+    for extra in (0, 3):  # as many as this rank needs, or more because another rank needs more
+        bins = plan_micro_batches(lengths, needed + extra, None, budget)
+        assert len(bins) == needed + extra
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in b) <= budget for b in bins)
+        assert all(b == sorted(b) for b in bins)  # original order kept inside a micro-batch
+    # The count is near the lower bound ceil(total / budget).
+    assert needed <= max(1, -(-sum(lengths) // budget)) * 2
+
+
+def test_fixed_size_plans_and_budget_errors():
+    assert plan_micro_batches([3, 4, 5, 6, 7], 4, 2, None) == [[0, 1], [2, 3], [4], []]
+    with pytest.raises(ValueError, match="sequence 1 has 90 tokens > data.max_tokens_per_micro_batch=64"):
+        first_fit_decreasing([10, 90], 64)
+
+
+def test_fixed_and_token_budget_splits_give_the_same_loss_and_gradients(model):
+    """Normalising by the step's loss-token count makes the split irrelevant (fp32)."""
+    batch = random_batch([30, 3, 17, 1, 25, 9, 12], seed=2)
+    lengths = seqlens(batch).tolist()
+    global_tokens = None
+
+    def step(bins):
+        nonlocal global_tokens
+        model.zero_grad()
+        total = 0.0
+        for b in bins:
+            loss_sum, n = model(**packed_row(select(batch, b)))
+            (loss_sum / global_tokens).backward()
+            total += loss_sum.item()
+        return total, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    global_tokens = int(sum(model(**packed_row(select(batch, [i])))[1] for i in range(len(lengths))))
+    loss_a, grads_a = step(plan_micro_batches(lengths, min_micro_batches(lengths, 3, None), 3, None))
+    loss_b, grads_b = step(plan_micro_batches(lengths, min_micro_batches(lengths, None, 40), None, 40))
+    loss_c, grads_c = step([list(range(len(lengths)))])
+    assert abs(loss_a - loss_b) <= 1e-5 * loss_a and abs(loss_a - loss_c) <= 1e-5 * loss_a
+    for k in grads_a:
+        scale = grads_a[k].abs().max().clamp_min(1e-12)
+        assert ((grads_a[k] - grads_b[k]).abs().max() / scale).item() <= 1e-4, k
+        assert ((grads_a[k] - grads_c[k]).abs().max() / scale).item() <= 1e-4, k
