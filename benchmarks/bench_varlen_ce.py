@@ -116,6 +116,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--case", nargs=4, type=float, action="append", metavar=("H", "V", "TOKENS", "FRACTION"),
+                        help="run only this shape (repeatable)")
     parser.add_argument("--child", nargs=5, metavar=("METHOD", "H", "V", "TOKENS", "FRACTION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -130,7 +132,8 @@ def main():
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    for case in QUICK_CASES if args.quick else FULL_CASES:
+    cases = [(int(h), int(v), int(t), f) for h, v, t, f in args.case] if args.case else QUICK_CASES if args.quick else FULL_CASES
+    for case in cases:
         results = {method: run_isolated(method, case, args.repeats) for method in METHODS}
         base = results["materialised"]
         for method, result in results.items():

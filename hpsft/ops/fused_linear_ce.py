@@ -7,9 +7,10 @@ more GEMMs. Only one (rows, V) block exists at a time, so full logits are never
 materialised, and the three GEMMs are the same work the unfused path does.
 
 For a reduced loss the gradients are finished in the forward pass and backward only scales
-them by the upstream scalar. For reduction "none" the upstream gradient differs per row and
-d(weight) sums over rows, so backward recomputes the blocks with the upstream gradient as
-the row scale (one extra forward's worth of work, no (N, V) storage).
+them, in place, by the upstream scalar. For reduction "none" the upstream gradient differs
+per row and d(weight) sums over rows, so backward recomputes the blocks with the upstream
+gradient as the row scale (one extra forward's worth of work, no (N, V) storage); so does a
+second backward through a retained graph.
 """
 
 import torch
@@ -42,7 +43,10 @@ def chunked_linear_cross_entropy(
     chunk_rows = chunk_rows or default_chunk_rows(vocab_size, dtype)
     outputs = [torch.empty(n_rows, dtype=dtype, device=x.device) for _ in range(3)]
     grad_x = torch.empty(n_rows, hidden_size, dtype=dtype, device=x.device) if need_x else None
-    grad_w = torch.zeros(vocab_size, hidden_size, dtype=dtype, device=x.device) if need_w else None
+    # The first chunk's GEMM overwrites d(weight) (beta=0), saving a memset of (V, H); with no
+    # rows at all there is no GEMM and the gradient is zero.
+    allocate_w = torch.empty if n_rows else torch.zeros
+    grad_w = allocate_w(vocab_size, hidden_size, dtype=dtype, device=x.device) if need_w else None
     grad_b = torch.zeros(vocab_size, dtype=dtype, device=x.device) if need_b else None
     block_buffer = torch.empty(min(chunk_rows, n_rows), vocab_size, dtype=dtype, device=x.device)
     for start in range(0, n_rows, chunk_rows):
@@ -58,7 +62,7 @@ def chunked_linear_cross_entropy(
         if need_x:
             torch.mm(block, w, out=grad_x[start:stop])
         if need_w:
-            grad_w.addmm_(block.t(), xs)
+            grad_w.addmm_(block.t(), xs, beta=0 if start == 0 else 1)
         if need_b:
             grad_b += block.sum(dim=0)
     return (*outputs, grad_x, grad_w, grad_b)
@@ -79,34 +83,35 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, positions, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows):
-        ctx.reduce, ctx.options, ctx.row_kernel, ctx.chunk_rows = reduce, options, row_kernel, chunk_rows
+        ctx.options, ctx.row_kernel, ctx.chunk_rows = options, row_kernel, chunk_rows
         ctx.total_tokens = hidden.shape[0]
         ctx.grad_dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4])
+        ctx.needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4])
         x = hidden.index_select(0, positions)
-        loss, zloss, logprob, grad_x, grad_w, grad_b = chunked_linear_cross_entropy(
-            x, weight, bias, labels, row_scale, options, row_kernel, chunk_rows, needs_grad if reduce else (False,) * 3
+        loss, zloss, logprob, *grads = chunked_linear_cross_entropy(
+            x, weight, bias, labels, row_scale, options, row_kernel, chunk_rows, ctx.needs_grad if reduce else (False,) * 3
         )
-        if reduce:
-            ctx.save_for_backward(positions, grad_x, grad_w, grad_b)
-            loss = (loss * row_scale).sum()
-        else:
-            ctx.save_for_backward(positions, x, weight, bias, labels)
+        # Finished gradients for the first backward; not saved tensors, so that backward can
+        # scale them in place and hand them over (a copy of d(weight) would double the peak
+        # memory for large vocabularies).
+        ctx.precomputed_grads = grads if reduce else None
+        ctx.save_for_backward(positions, x, weight, bias, labels, row_scale)
         ctx.mark_non_differentiable(zloss, logprob)
-        return loss, zloss, logprob
+        return ((loss * row_scale).sum() if reduce else loss), zloss, logprob
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_zloss, _grad_logprob):
-        if ctx.reduce:
-            positions, *grads = ctx.saved_tensors
-            grads = [None if g is None else g * grad_loss for g in grads]
+        positions, x, weight, bias, labels, row_scale = ctx.saved_tensors
+        if ctx.precomputed_grads is not None:
+            grads, ctx.precomputed_grads = ctx.precomputed_grads, None
+            grads = [None if g is None else g.mul_(grad_loss) for g in grads]
         else:
-            positions, x, weight, bias, labels = ctx.saved_tensors
-            row_scale = grad_loss.to(compute_dtype_for(x.dtype))
-            needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4])
+            # Reduction "none" (a different upstream gradient per row, while d(weight) sums over
+            # rows), or a second backward through a retained graph: recompute the blocks.
+            scale = row_scale * grad_loss.to(row_scale.dtype)
             grads = chunked_linear_cross_entropy(
-                x, weight, bias, labels, row_scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, needs_grad
+                x, weight, bias, labels, scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.needs_grad
             )[3:]
         grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.grad_dtypes)]
         if grads[0] is not None:

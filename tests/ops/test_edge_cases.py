@@ -122,3 +122,18 @@ def test_logits_api_with_nothing_supervised(backend):
     out = varlen_cross_entropy(logits, input_ids=batch.input_ids, loss_mask=batch.loss_mask, offsets=batch.offsets, reduction="mean", backend=backend)
     (grad,) = torch.autograd.grad(out.loss, logits)
     assert out.loss.item() == 0 and torch.all(grad == 0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_backward_twice_through_a_retained_graph(backend):
+    # The first backward consumes the gradients finished in forward; the second recomputes them.
+    batch = make_batch()
+    hidden = batch.hidden.clone().requires_grad_()
+    weight = batch.weight.clone().requires_grad_()
+    out = varlen_linear_cross_entropy(hidden, weight, input_ids=batch.input_ids, offsets=batch.offsets, loss_mask=batch.loss_mask, backend=backend)
+    first = torch.autograd.grad(out.loss * 1.7, (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad(out.loss * 1.7, (hidden, weight))
+    _, _, _, ref_grads = reference(batch, batch.aligned_labels(), "sum", {}, False)
+    for grads in (first, second):
+        for actual, expected in zip(grads, ref_grads[:2]):
+            assert_close(actual, expected)
