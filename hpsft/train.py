@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from hpsft.config import ConfigError, load_config
-from hpsft.data.dataset import DataError
+from hpsft.errors import UserInputError
 
 # Bad input the user can fix: reported as one line, no traceback.
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ValueError)
+USER_ERRORS = (ConfigError, UserInputError)
 
 
 def parse_args(argv):

@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 import torch
 
 from hpsft.data.chat_tokenize import BadRow, tokenize_conversation
+from hpsft.errors import UserInputError
 
 
-class DataError(ValueError):
+class DataError(UserInputError):
     """Bad input data: the message names the file and the row."""
 
 

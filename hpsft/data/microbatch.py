@@ -9,6 +9,8 @@ every forward/backward), so the count is agreed first and short ranks get empty 
 
 import heapq
 
+from hpsft.errors import UserInputError
+
 
 def fixed_size_bins(n: int, micro_batch_size: int) -> list[list[int]]:
     return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
@@ -17,7 +19,7 @@ def fixed_size_bins(n: int, micro_batch_size: int) -> list[list[int]]:
 def first_fit_decreasing(lengths: list[int], max_tokens: int) -> list[list[int]]:
     for i, length in enumerate(lengths):
         if length > max_tokens:
-            raise ValueError(
+            raise UserInputError(
                 f"sequence {i} has {length} tokens > data.max_tokens_per_micro_batch={max_tokens}; "
                 "raise the budget or lower data.max_length"
             )

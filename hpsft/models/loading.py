@@ -7,11 +7,13 @@ from pathlib import Path
 
 import torch
 
+from hpsft.errors import UserInputError
+
 
 def check_model_path(path: str) -> Path:
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(
+        raise UserInputError(
             f"model.path={path}: no Hugging Face model folder there (config.json missing); "
             "run `make model` for the default or point model.path at a folder"
         )

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from hpsft.errors import UserInputError
+
 STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"
 
@@ -57,7 +59,7 @@ class CheckpointManager:
             return None
         path = self.root / marker.read_text().strip()
         if not path.is_dir():
-            raise FileNotFoundError(f"{marker} names {path.name}, which does not exist")
+            raise UserInputError(f"{marker} names {path.name}, which does not exist")
         return path
 
     @staticmethod
@@ -68,14 +70,14 @@ class CheckpointManager:
             return path
         latest = CheckpointManager(path).latest()
         if latest is None:
-            raise FileNotFoundError(f"trainer.resume={path}: neither a {STEP_PREFIX}<N> folder nor a run with checkpoints")
+            raise UserInputError(f"trainer.resume={path}: neither a {STEP_PREFIX}<N> folder nor a run with checkpoints")
         return latest
 
     @staticmethod
     def load_rank_state(checkpoint: Path, rank: int) -> dict:
         path = checkpoint / f"trainer_state_rank{rank}.pt"
         if not path.is_file():
-            raise FileNotFoundError(
+            raise UserInputError(
                 f"{path} is missing: the checkpoint was written by fewer processes than this run has; "
                 "resume with the same number of data-parallel ranks"
             )

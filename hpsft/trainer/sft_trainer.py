@@ -19,6 +19,7 @@ from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.dataset import SFTDataset, TokenizeOptions, load_or_tokenize
+from hpsft.errors import UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
 from hpsft.trainer.checkpoint import CheckpointManager
@@ -58,7 +59,7 @@ class SFTTrainer:
         seed_everything(config.trainer.seed)
         data = config.data
         if data.train_batch_size % self.dp_size:
-            raise ValueError(
+            raise UserInputError(
                 f"data.train_batch_size={data.train_batch_size} is not divisible by the "
                 f"{self.dp_size} data-parallel ranks"
             )
@@ -115,7 +116,7 @@ class SFTTrainer:
             collate_fn=collate_jagged, drop_last=True, num_workers=self.config.data.num_workers,
         )
         if len(loader) == 0:
-            raise ValueError(
+            raise UserInputError(
                 f"{len(self.train_dataset)} training sequences make no full batch of "
                 f"data.train_batch_size={self.config.data.train_batch_size}"
             )
@@ -140,7 +141,7 @@ class SFTTrainer:
     def load_checkpoint(self, checkpoint: Path) -> None:
         state = CheckpointManager.load_rank_state(checkpoint, self.rank)
         if (state["mode"], state["dp_size"]) != (self.checkpoint_mode, self.dp_size):
-            raise ValueError(
+            raise UserInputError(
                 f"{checkpoint} was written by a {state['mode']} run with {state['dp_size']} data-parallel "
                 f"ranks, this is a {self.checkpoint_mode} run with {self.dp_size}: resume with the same "
                 "kind of run and data-parallel size"
