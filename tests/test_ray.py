@@ -248,6 +248,9 @@ def test_ray_job_submit_to_a_local_head(tmp_path, model_path, data):
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
          "--num-cpus", "2", "--dashboard-host", "127.0.0.1", "--dashboard-port", dashboard.rsplit(":", 1)[1],
+         # Not the default agent/metrics ports: this module's own Ray instance holds those.
+         *(f"--{name}={free_port()}" for name in (
+             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")),
          "--disable-usage-stats", "--temp-dir", temp_dir],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

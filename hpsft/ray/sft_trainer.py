@@ -26,7 +26,12 @@ class RaySFTTrainer(SFTTrainer):
 
     def __init__(self, config: SFTConfig):
         self.last_checkpoint: Path | None = None  # where a restart goes back to
-        super().__init__(config)
+        try:
+            super().__init__(config)
+        except BaseException:  # e.g. a bad resume path after the group started: free the workers
+            if isinstance(getattr(self, "worker", None), DataParallelWorker):
+                self.close()
+            raise
 
     def place_process(self) -> tuple[int, int, int]:
         return 0, 1, self.config.ray.nnodes * self.config.ray.n_workers_per_node

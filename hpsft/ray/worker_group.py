@@ -112,13 +112,15 @@ class RayWorkerGroup:
 
     @property
     def world_size(self) -> int:
-        return len(self.actors)
+        return self.pool.world_size
 
     def describe(self, rank: int) -> str:
         return f"pid {self.pids[rank]}" if self.pids else "starting"
 
     def submit(self, name: str, actor_method, *args, **kwargs) -> GroupFuture:
         """Call `actor_method(actor)` on every rank, scattering PerRank arguments."""
+        if not self.actors:
+            raise RuntimeError(f"{name}: this worker group was shut down (after a worker failure?)")
         refs = []
         for rank, actor in enumerate(self.actors):
             rank_args = [a[rank] if isinstance(a, PerRank) else a for a in args]
