@@ -1,0 +1,59 @@
+"""hpsft under Slurm: scripts/train_slurm.sbatch submitted with sbatch to a private
+one-node cluster (tests/slurm_cluster.py), 2 tasks under srun, must train exactly like
+the same config under torchrun with 2 processes."""
+
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env
+from tests.slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
+
+SBATCH_SCRIPT = REPO / "scripts" / "train_slurm.sbatch"
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+@pytest.mark.slow
+def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, model_path, tiny_data):  # noqa: F811
+    train, val = tiny_data
+    extra = {"engine.zero_stage": 2, "trainer.total_steps": 2}
+    slurm_out, torchrun_out = tmp_path / "slurm_run", tmp_path / "torchrun_run"
+
+    # The job gets this environment (sbatch exports it): the venv's python, the prebuilt
+    # DeepSpeed ops, SLURM_CONF of the private cluster.
+    env = slurm_cluster.env(train_env())
+    env["HPSFT_PYTHON"] = sys.executable
+    # A job started under torchrun/another launcher must not hand its rank variables over.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    log = tmp_path / "slurm-%j.out"
+    t0 = time.monotonic()
+    submit = slurm_cluster.run_with_env(
+        env, "sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1",
+        f"--chdir={REPO}", f"--output={log}", str(SBATCH_SCRIPT),
+        *base_overrides(model_path, train, val, slurm_out, **extra))
+    job_id = submit.stdout.strip().split(";")[0]
+    state = slurm_cluster.wait_job(job_id, timeout=300)
+    job_log = tmp_path / f"slurm-{job_id}.out"
+    output = job_log.read_text(errors="replace") if job_log.exists() else "(no job output file)"
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-6000:]}\n{slurm_cluster.logs()}"
+    slurm_seconds = time.monotonic() - t0
+
+    # 2 ranks really ran under srun: one trainer state per rank in the final checkpoint.
+    assert f"hpsft: job {job_id} nodes=localhost tasks=2" in output
+    metrics = read_metrics(slurm_out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert (slurm_out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+    assert sorted(p.name for p in (slurm_out / "checkpoints" / "global_step_2").glob("trainer_state_rank*.pt")) == [
+        "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
+
+    # The same config under torchrun, 2 processes: the same first loss.
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, val, torchrun_out, **extra), nproc=2)
+    assert proc.returncode == 0, f"torchrun exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    reference = read_metrics(torchrun_out)
+    assert rel_diff(metrics[0]["train/loss"], reference[0]["train/loss"]) < 1e-5, (metrics[0], reference[0])
+    print(f"slurm job {job_id}: {slurm_seconds:.1f} s")
