@@ -34,7 +34,11 @@ def init_distributed(backend: str | None = None) -> None:
     """Initialise torch.distributed (through DeepSpeed) from the launcher's environment."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+    # Only inside an srun step (SLURM_STEP_ID set): the batch script's own process (or a
+    # shell under salloc) also has SLURM_PROCID=0 and SLURM_NTASKS=N, and taking those
+    # would make a lone process wait for N-1 ranks that never start.
+    if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ \
+            and "SLURM_NTASKS" in os.environ:
         env_from_slurm()
     if "RANK" not in os.environ:  # a single process started without any launcher
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")

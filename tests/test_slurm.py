@@ -57,3 +57,35 @@ def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, model_pa
     reference = read_metrics(torchrun_out)
     assert rel_diff(metrics[0]["train/loss"], reference[0]["train/loss"]) < 1e-5, (metrics[0], reference[0])
     print(f"slurm job {job_id}: {slurm_seconds:.1f} s")
+
+
+PROBE = ("import os; from hpsft.distributed import init_distributed, rank, world_size; init_distributed(); "
+         "print(f'{os.environ.get(\"PROBE\")} rank={rank()} world={world_size()} "
+         "master={os.environ[\"MASTER_ADDR\"]}', flush=True)")
+
+
+@pytest.mark.slow
+def test_batch_step_process_is_alone_and_srun_tasks_are_ranks(tmp_path, slurm_cluster):  # noqa: F811
+    """In a 2-task job, a process started by the batch script itself (SLURM_PROCID=0,
+    SLURM_NTASKS=2, no srun step) is a single process, not rank 0 of 2 waiting forever
+    for a rank 1; the tasks of an srun step are ranks 0 and 1 of 2."""
+    script = tmp_path / "probe.sbatch"
+    script.write_text(f"""#!/usr/bin/env bash
+set -euo pipefail
+PROBE=batch {sys.executable} -c "$PROBE_CODE"
+PROBE=srun srun --kill-on-bad-exit=1 {sys.executable} -c "$PROBE_CODE"
+""")
+    env = slurm_cluster.env(train_env())
+    env["PROBE_CODE"] = PROBE
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    log = tmp_path / "probe-%j.out"
+    job_id = slurm_cluster.run_with_env(env, "sbatch", "--parsable", "--ntasks=2", f"--chdir={REPO}",
+                                        f"--output={log}", str(script)).stdout.strip().split(";")[0]
+    # Before the fix the batch-step process blocked in rendezvous (30 min timeout).
+    state = slurm_cluster.wait_job(job_id, timeout=120)
+    output = (tmp_path / f"probe-{job_id}.out").read_text(errors="replace")
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-4000:]}"
+    lines = sorted(line for line in output.splitlines() if line.startswith(("batch ", "srun ")))
+    assert lines == ["batch rank=0 world=1 master=127.0.0.1",
+                     "srun rank=0 world=2 master=localhost", "srun rank=1 world=2 master=localhost"], output
