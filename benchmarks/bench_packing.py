@@ -4,7 +4,8 @@
     longest sequence of the micro-batch, attention_mask, labels with -100, model(...).loss
     (full logits materialised).
 (b) packed: hpsft: token-budget micro-batches, one packed row each (position ids restart
-    per sequence), the fused varlen loss on the supervised positions only.
+    per sequence), varlen attention (flash-attn on GPU when installed, per-sequence SDPA
+    otherwise), the fused varlen loss on the supervised positions only.
 Each mode runs forward + backward over the same sequences (the optimizer step is the same
 work in both, so it is left out); the table reports real
 tokens/s, padding efficiency (real / computed tokens), peak RSS and MFU against a GEMM
@@ -36,16 +37,19 @@ def run_mode(mode: str, args) -> dict:
     from hpsft.data.batch import collate_jagged, packed_row, select, seqlens
     from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
     from hpsft.models import PackedCausalLM, load_causal_lm
-    from hpsft.perf import measure_matmul_peak, model_flops
+    from hpsft.data.batch import loss_token_count
+    from hpsft.perf import flop_counts, measure_matmul_peak, model_flops
 
     torch.manual_seed(0)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     samples = load_sequences(args.data, args.model, args.sequences)
-    lm = load_causal_lm(args.model).to(device)
-    model = PackedCausalLM(lm).to(device)
+    # The baseline attends the usual way (transformers' sdpa with a padding mask).
+    lm = load_causal_lm(args.model, "sdpa" if mode == "padded" else "auto").to(device)
     cfg = lm.config
-    n_params = sum(p.numel() for p in lm.parameters())
+    peak = measure_matmul_peak(2048, cfg.hidden_size, cfg.intermediate_size, dtype, device)
+    model = PackedCausalLM(lm).to(device)
+    body_params, head_params = flop_counts(lm)
     lengths = [s["input_ids"].numel() for s in samples]
 
     if mode == "padded":
@@ -85,14 +89,14 @@ def run_mode(mode: str, args) -> dict:
         computed += step(mb)
     sync()
     elapsed = time.perf_counter() - start
-    peak = measure_matmul_peak(2048, cfg.hidden_size, cfg.intermediate_size, dtype, device)
-    flops = model_flops(n_params, cfg.num_hidden_layers, cfg.hidden_size, lengths)
+    loss_tokens = loss_token_count(collate_jagged(samples))
+    flops = model_flops(body_params, head_params, cfg.num_hidden_layers, cfg.hidden_size, lengths, loss_tokens)
     peak_mem = (torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return {
         "mode": mode, "sequences": len(samples), "micro_batches": len(micro_batches),
         "tokens_per_s": sum(lengths) / elapsed, "padding_efficiency": sum(lengths) / computed,
-        "peak_mem_mib": peak_mem, "mfu": flops / elapsed / peak, "seconds": elapsed,
+        "peak_mem_mib": peak_mem, "mfu": flops / elapsed / peak, "peak_gflops": peak / 1e9, "seconds": elapsed,
     }
 
 
@@ -117,12 +121,12 @@ def main() -> None:
     base = rows[0]
     print(f"model={args.model} data={args.data} device={args.device} "
           f"padded micro-batch={args.micro_batch_size} seqs, packed budget={args.max_tokens} tokens")
-    print(f"| mode | seqs | micro-batches | tokens/s | x padded | padding eff. | peak mem MiB | MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | seqs | micro-batches | tokens/s | x padded | padding eff. | peak mem MiB | GEMM peak GFLOP/s | MFU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['sequences']} | {r['micro_batches']} | {r['tokens_per_s']:.0f} | "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {r['padding_efficiency']:.3f} | "
-              f"{r['peak_mem_mib']:.0f} | {r['mfu']:.1%} |")
+              f"{r['peak_mem_mib']:.0f} | {r['peak_gflops']:.0f} | {r['mfu']:.1%} |")
 
 
 if __name__ == "__main__":

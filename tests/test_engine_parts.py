@@ -39,3 +39,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_path):
         grads.append({k: p.grad for k, p in model.named_parameters()})
     for k, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][k], rtol=1e-5, atol=1e-7), k
+
+
+def test_model_flops_count_the_head_only_where_the_loss_is_taken(model_path):
+    from hpsft.perf import flop_counts, model_flops
+
+    lm = load_causal_lm(model_path)
+    body, head = flop_counts(lm)
+    assert lm.config.tie_word_embeddings and body + head == sum(p.numel() for p in lm.parameters())
+    assert head == lm.config.vocab_size * lm.config.hidden_size
+    L, H = lm.config.num_hidden_layers, lm.config.hidden_size
+    every_token = model_flops(body, head, L, H, [3, 5], loss_tokens=8)
+    assert every_token == 6 * (body + head) * 8 + 6 * L * H * (9 + 25)
+    assert model_flops(body, head, L, H, [3, 5], loss_tokens=2) == every_token - 6 * head * 6

@@ -31,11 +31,24 @@ def test_packed_forward_equals_each_sequence_alone(model, lengths):
     batch = random_batch(lengths)
     row = packed_row(batch)
     with torch.no_grad():
-        packed = model.logits(row["input_ids"], row["position_ids"])
+        packed = model.logits(row["input_ids"], row["position_ids"], row["offsets"])
         alone = torch.cat([model.lm(input_ids=batch[i]["input_ids"][None], use_cache=False).logits[0]
                            for i in range(len(lengths))])
     rel = ((packed - alone).abs().max() / alone.abs().max()).item()
     assert rel <= 1e-5, rel
+
+
+def test_varlen_sdpa_equals_transformers_block_masked_sdpa(model_path):
+    """hpsft's per-sequence attention == transformers' sdpa with the mask it derives from
+    the position restarts (fp32), on the same packed row."""
+    batch = random_batch([7, 1, 12, 3], seed=3)
+    row = packed_row(batch)
+    with torch.no_grad():
+        ours = PackedCausalLM(load_causal_lm(model_path, "hpsft_varlen_sdpa")).eval().logits(
+            row["input_ids"], row["position_ids"], row["offsets"])
+        theirs = PackedCausalLM(load_causal_lm(model_path, "sdpa")).eval().logits(
+            row["input_ids"], row["position_ids"], row["offsets"])
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= 1e-5
 
 
 def test_per_sequence_losses_match_an_independent_reference(model):

@@ -21,7 +21,9 @@ def check_positive(section: str, name: str, value, allow_zero: bool = False) -> 
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ".cache/models/smollm2-135m-4l"
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU, flash-attn installed)
+    # auto: flash_attention_2 on GPU with flash-attn installed, else hpsft_varlen_sdpa (exact
+    # per-sequence SDPA); sdpa/eager: transformers' own (a mask over the whole packed row).
+    attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     loss_backend: str = "auto"  # varlen cross-entropy kernel: auto | cpp | cuda | triton | torch
@@ -29,7 +31,7 @@ class ModelConfig:
     def __post_init__(self):
         check_choice("model", "loss_backend", self.loss_backend, {"auto", "cpp", "cuda", "triton", "torch"})
         check_choice("model", "attn_implementation", self.attn_implementation,
-                     {"sdpa", "eager", "flash_attention_2"})
+                     {"auto", "hpsft_varlen_sdpa", "sdpa", "eager", "flash_attention_2"})
 
 
 @dataclass(frozen=True)

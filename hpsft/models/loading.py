@@ -1,5 +1,6 @@
 """Load a Hugging Face model folder, failing early with a message that says what to fix."""
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hpsft.errors import UserInputError
+from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
 
 def check_model_path(path: str) -> Path:
@@ -26,19 +28,27 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(check_model_path(path), trust_remote_code=trust_remote_code)
 
 
-def load_causal_lm(path: str, attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attn_implementation(name: str) -> str:
+    if name == "auto":
+        return "flash_attention_2" if flash_attn_available() else ATTN_IMPLEMENTATION
+    if name == "flash_attention_2" and not flash_attn_available():
+        raise UserInputError(
+            "model.attn_implementation=flash_attention_2 needs a GPU and the flash-attn package "
+            "(pip install flash-attn); use auto or hpsft_varlen_sdpa otherwise"
+        )
+    return name
+
+
+def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkpointing: bool = False,
                    trust_remote_code: bool = False) -> torch.nn.Module:
     """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself)."""
     from transformers import AutoModelForCausalLM
 
-    if attn_implementation == "flash_attention_2":
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            raise ImportError(
-                "model.attn_implementation=flash_attention_2 needs the flash-attn package "
-                "(GPU only: pip install flash-attn); use sdpa otherwise"
-            ) from None
+    attn_implementation = resolve_attn_implementation(attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
         check_model_path(path), dtype=torch.float32, attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,

@@ -1,10 +1,11 @@
 """A causal LM run on one packed row, with the loss from the fused varlen op.
 
-Packing: a micro-batch is one row whose `position_ids` restart at every sequence. With
-`attention_mask=None` and `use_cache=False`, transformers' attention (sdpa/eager on CPU,
-flash-attn varlen on GPU) derives a block-diagonal causal mask from the restarts, so no
-token attends across a sequence boundary. With the cache on, packed documents silently
-attend to each other; `verify_packed_attention` checks a model really behaves.
+Packing: a micro-batch is one row whose `position_ids` restart at every sequence, and the
+sequence boundaries (cu_seqlens) go to the attention: flash-attn's varlen kernels on GPU,
+hpsft's per-sequence SDPA otherwise (varlen_attention.py). transformers' own sdpa/eager
+also work (a block-diagonal mask from the position restarts, when `attention_mask=None`
+and `use_cache=False`; with the cache on, packed documents silently attend to each other).
+`verify_packed_attention` checks that a model really keeps sequences apart.
 """
 
 import torch
@@ -26,13 +27,18 @@ class PackedCausalLM(nn.Module):
         self.lm = lm
         self.loss_backend = loss_backend
 
-    def hidden_states(self, input_ids, position_ids):
-        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    def hidden_states(self, input_ids, position_ids, offsets):
+        # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn).
+        max_length = int(offsets.diff().max()) if offsets.numel() > 1 else 0
+        out = self.lm.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=max_length, max_length_k=max_length,
+        )
         return out.last_hidden_state[0]
 
     def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False):
         """(loss sum, loss-token count) of the row; per sequence, as (B,) tensors, if asked."""
-        hidden = self.hidden_states(input_ids, position_ids)
+        hidden = self.hidden_states(input_ids, position_ids, offsets)
         head = self.lm.get_output_embeddings()
         out = varlen_linear_cross_entropy(
             hidden, head.weight, getattr(head, "bias", None), input_ids=input_ids[0], offsets=offsets,
@@ -47,9 +53,9 @@ class PackedCausalLM(nn.Module):
         loss_tokens = torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)
         return loss_sums, loss_tokens
 
-    def logits(self, input_ids, position_ids):
+    def logits(self, input_ids, position_ids, offsets):
         """Full logits of a packed row (for evaluation and checks, not for training)."""
-        return self.lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
+        return self.lm.get_output_embeddings()(self.hidden_states(input_ids, position_ids, offsets))
 
 
 @torch.no_grad()

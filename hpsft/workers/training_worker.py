@@ -15,7 +15,7 @@ from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm, verify_packed_attention, write_hf_folder
-from hpsft.perf import measure_matmul_peak, model_flops
+from hpsft.perf import flop_counts, measure_matmul_peak, model_flops
 
 
 def token_mean_loss(outputs, global_loss_tokens: int) -> torch.Tensor:
@@ -40,7 +40,7 @@ class TrainingWorker:
         cfg = self.model_config
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code)
         verify_packed_attention(lm)
-        self.n_params = sum(p.numel() for p in lm.parameters())
+        self.body_params, self.head_params = flop_counts(lm)
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         self.engine.initialize(PackedCausalLM(lm, cfg.loss_backend))
         if self.peak_flops is None:
@@ -83,7 +83,8 @@ class TrainingWorker:
             "tokens": sum(lengths),
             "computed_tokens": sum(r["input_ids"].numel() for r in rows),
             "micro_batches": len(rows),
-            "flops": model_flops(self.n_params, self.n_layers, self.hidden_size, lengths),
+            "flops": model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size,
+                                 lengths, local_loss_tokens),
             "peak_flops": self.peak_flops,
             "grad_norm": result["grad_norm"],
             "lr": result["lr"],

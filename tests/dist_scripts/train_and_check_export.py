@@ -25,7 +25,7 @@ def main() -> None:
     module = trainer.worker.engine.module
     module.eval()
     with torch.no_grad():
-        engine_logits = module.logits(sample, positions)  # every rank: ZeRO-3 gathers collectively
+        engine_logits = module.logits(sample, positions, torch.tensor([0, sample.shape[1]]))  # every rank: ZeRO-3 gathers collectively
     if trainer.rank != 0:
         return
     from transformers import AutoModelForCausalLM, AutoTokenizer
