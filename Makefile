@@ -12,7 +12,7 @@ MODEL_DEMO := .cache/models/smollm2-135m-4l
 MODEL_TEST := .cache/models/smollm2-135m-2l
 DATA := .cache/data/chatterbot
 
-.PHONY: demo test install model data clean-venv
+.PHONY: demo test install model data bench clean-venv
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
@@ -51,3 +51,8 @@ test: model data
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Benchmarks (tables on stdout): padded vs packed training, and the fused loss op.
+bench: model data
+	$(PY) benchmarks/bench_packing.py
+	$(PY) benchmarks/bench_varlen_ce.py --quick
