@@ -29,7 +29,7 @@ def test_config_is_frozen():
     "override, message",
     [
         ("optim.lrr=1", "unknown config key 'optim.lrr'; valid keys here: betas, eps, grad_clip, lr"),
-        ("foo.bar=1", "unknown config key 'foo'; valid keys here: data, engine, model, optim, ray, trainer"),
+        ("foo.bar=1", "unknown config key 'foo'; valid keys here: data, engine, loss, model, optim, ray, trainer"),
         ("trainer.total_steps=abc", "bad value for config key 'trainer.total_steps'"),
         ("engine.zero_stage=5", "engine.zero_stage=5 is not one of [0, 1, 2, 3]"),
         ("data.truncation=middle", "data.truncation='middle' is not one of ['error', 'left', 'right']"),

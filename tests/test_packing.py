@@ -14,7 +14,7 @@ from hpsft.models import PackedCausalLM, load_causal_lm, verify_packed_attention
 @pytest.fixture(scope="module")
 def model(model_path):
     torch.manual_seed(0)
-    return PackedCausalLM(load_causal_lm(model_path), loss_backend="auto").eval()
+    return PackedCausalLM(load_causal_lm(model_path)).eval()
 
 
 def random_batch(lengths, vocab=49152, seed=0):
@@ -57,7 +57,7 @@ def test_per_sequence_losses_match_an_independent_reference(model):
     row = packed_row(batch)
     with torch.no_grad():
         sums, counts = model(**row, per_sequence=True)
-        total, n_tokens = model(**row)
+        total, n_tokens, _ = model(**row)
         for i in range(len(lengths)):
             ids, mask = batch[i]["input_ids"], batch[i]["loss_mask"]
             logits = model.lm(input_ids=ids[None], use_cache=False).logits[0].double()
@@ -116,7 +116,7 @@ def test_fixed_and_token_budget_splits_give_the_same_loss_and_gradients(model):
         model.zero_grad()
         total = 0.0
         for b in bins:
-            loss_sum, n = model(**packed_row(select(batch, b)))
+            loss_sum = model(**packed_row(select(batch, b)))[0]
             (loss_sum / global_tokens).backward()
             total += loss_sum.item()
         return total, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
@@ -130,3 +130,43 @@ def test_fixed_and_token_budget_splits_give_the_same_loss_and_gradients(model):
         scale = grads_a[k].abs().max().clamp_min(1e-12)
         assert ((grads_a[k] - grads_b[k]).abs().max() / scale).item() <= 1e-4, k
         assert ((grads_a[k] - grads_c[k]).abs().max() / scale).item() <= 1e-4, k
+
+
+def test_training_with_the_fused_loss_follows_the_materialised_reference(model_path):
+    """3 AdamW steps through the fused varlen op on packed rows == the same steps through
+    full logits and F.cross_entropy, one sequence at a time (fp32)."""
+    batches = [random_batch([20, 7, 33, 12], seed=10 + s) for s in range(3)]
+
+    def train(loss_of_batch):
+        torch.manual_seed(0)
+        model = PackedCausalLM(load_causal_lm(model_path)).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        losses = []
+        for batch in batches:
+            optimizer.zero_grad()
+            loss = loss_of_batch(model, batch)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def fused(model, batch):
+        loss_sum, n_tokens, _ = model(**packed_row(batch))
+        return loss_sum / n_tokens
+
+    def reference(model, batch):
+        total, count = 0.0, 0
+        for i in range(batch.batch_size[0]):
+            ids, mask = batch[i]["input_ids"], batch[i]["loss_mask"]
+            logits = model.lm(input_ids=ids[None], use_cache=False).logits[0]
+            targets = mask[1:]
+            total = total + F.cross_entropy(logits[:-1][targets], ids[1:][targets], reduction="sum")
+            count += int(targets.sum())
+        return total / count
+
+    fused_losses, fused_weights = train(fused)
+    reference_losses, reference_weights = train(reference)
+    for a, b in zip(fused_losses, reference_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (fused_losses, reference_losses)
+    for k, w in reference_weights.items():
+        assert ((fused_weights[k] - w).norm() / w.norm()).item() <= 1e-5, k

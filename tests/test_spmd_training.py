@@ -84,7 +84,7 @@ def test_stop_and_resume_reproduces_the_run(tmp_path, model_path, tiny_data):
     boundary), with token-budget micro-batches."""
     train, val = tiny_data
     common = {"data.train_batch_size": 4, "data.max_tokens_per_micro_batch": 128, "trainer.total_steps": 6,
-              "trainer.save_every": 2}
+              "trainer.save_every": 2, "loss.z_loss_weight": 1e-4}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, straight, **common)))
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, resumed, **common,
@@ -101,4 +101,5 @@ def test_stop_and_resume_reproduces_the_run(tmp_path, model_path, tiny_data):
         # Same sequences (token counts) and same loss: the resumed run saw exactly the next unseen samples.
         assert a[step]["train/tokens"] == b[step]["train/tokens"], step
         assert rel_diff(a[step]["train/loss"], b[step]["train/loss"]) < 1e-6, step
+        assert 0 < a[step]["train/z_loss"] and rel_diff(a[step]["train/z_loss"], b[step]["train/z_loss"]) < 1e-6
     assert max_rel_weight_diff(weights(straight), weights(resumed)) < 1e-6

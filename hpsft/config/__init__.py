@@ -4,6 +4,7 @@ from hpsft.config.load import ConfigError, load_config, to_yaml
 from hpsft.config.schema import (
     DataConfig,
     EngineConfig,
+    LossConfig,
     ModelConfig,
     OptimConfig,
     RayConfig,
@@ -13,5 +14,5 @@ from hpsft.config.schema import (
 
 __all__ = [
     "ConfigError", "load_config", "to_yaml",
-    "DataConfig", "EngineConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
+    "DataConfig", "EngineConfig", "LossConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
 ]

@@ -26,12 +26,25 @@ class ModelConfig:
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
-    loss_backend: str = "auto"  # varlen cross-entropy kernel: auto | cpp | cuda | triton | torch
 
     def __post_init__(self):
-        check_choice("model", "loss_backend", self.loss_backend, {"auto", "cpp", "cuda", "triton", "torch"})
         check_choice("model", "attn_implementation", self.attn_implementation,
                      {"auto", "hpsft_varlen_sdpa", "sdpa", "eager", "flash_attention_2"})
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The fused varlen cross-entropy (hpsft.ops) the training loss goes through."""
+
+    backend: str = "auto"  # auto (CUDA/Triton on GPU, C++ on CPU, else torch) | cpp | cuda | triton | torch
+    z_loss_weight: float = 0.0  # adds weight * logsumexp(logits)^2 per token; logged as train/z_loss
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        check_choice("loss", "backend", self.backend, {"auto", "cpp", "cuda", "triton", "torch"})
+        check_positive("loss", "z_loss_weight", self.z_loss_weight, allow_zero=True)
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"loss.label_smoothing must be in [0, 1), got {self.label_smoothing}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,7 @@ class RayConfig:
 @dataclass(frozen=True)
 class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

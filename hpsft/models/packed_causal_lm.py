@@ -16,16 +16,20 @@ from hpsft.ops import varlen_linear_cross_entropy
 
 
 class PackedCausalLM(nn.Module):
-    """Wraps a HF causal LM; forward returns (sum of token losses, number of loss tokens).
+    """Wraps a HF causal LM; forward returns (sum of token losses, number of loss tokens,
+    sum of token z-losses); the loss sum includes the z-loss term when its weight is set.
 
     The LM-head weight is read inside this module's forward, so under ZeRO-3 DeepSpeed
     gathers it as an external parameter of this module; full logits are never built.
     """
 
-    def __init__(self, lm: nn.Module, loss_backend: str = "auto"):
+    def __init__(self, lm: nn.Module, loss_backend: str = "auto", z_loss_weight: float = 0.0,
+                 label_smoothing: float = 0.0):
         super().__init__()
         self.lm = lm
         self.loss_backend = loss_backend
+        self.z_loss_weight = z_loss_weight
+        self.label_smoothing = label_smoothing
 
     def hidden_states(self, input_ids, position_ids, offsets):
         # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn).
@@ -37,15 +41,17 @@ class PackedCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False):
-        """(loss sum, loss-token count) of the row; per sequence, as (B,) tensors, if asked."""
+        """(loss sum, loss-token count, z-loss sum) of the row; per sequence (loss sums and
+        loss-token counts as (B,) tensors) if asked."""
         hidden = self.hidden_states(input_ids, position_ids, offsets)
         head = self.lm.get_output_embeddings()
         out = varlen_linear_cross_entropy(
             hidden, head.weight, getattr(head, "bias", None), input_ids=input_ids[0], offsets=offsets,
             loss_mask=loss_mask, reduction="none" if per_sequence else "sum", backend=self.loss_backend,
+            z_loss_weight=self.z_loss_weight, label_smoothing=self.label_smoothing,
         )
         if not per_sequence:
-            return out.loss, out.n_tokens
+            return out.loss, out.n_tokens, out.z_loss
         lengths = offsets.diff()
         sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
         loss_sums = out.loss.new_zeros(lengths.numel()).index_add(0, sequence_of_row, out.loss)

@@ -8,7 +8,7 @@ change the step: the loss is normalised by the loss tokens of the whole global b
 
 import torch
 
-from hpsft.data.batch import select, seqlens
+from hpsft.data.batch import loss_token_count, select, seqlens
 from hpsft.ray.worker_group import PerRank, RayWorkerGroup
 
 # train_batch results that every rank reports alike; all the others (loss sums, token and
@@ -40,7 +40,7 @@ class DataParallelWorker:
 
     def train_batch(self, batch) -> dict:
         _, shards = self.shard(batch)
-        global_loss_tokens = int(batch["loss_mask"].values().sum())
+        global_loss_tokens = loss_token_count(batch)
         outs = self.group.train_batch(shards, global_loss_tokens=global_loss_tokens).get()
         return {key: outs[0][key] if key in SAME_ON_ALL_RANKS else sum(out[key] for out in outs) for key in outs[0]}
 

@@ -95,7 +95,7 @@ class SFTTrainer:
     def worker_args(self) -> tuple:
         """TrainingWorker's constructor arguments, alike in this process and in a Ray actor."""
         config = self.config
-        return (config.model, config.engine, config.optim, config.data, self.total_steps,
+        return (config.model, config.loss, config.engine, config.optim, config.data, self.total_steps,
                 config.trainer.peak_flops_per_device)
 
     def build_worker(self):
@@ -187,10 +187,13 @@ class SFTTrainer:
         return loss_sum / max(loss_tokens, 1.0)
 
     def step_metrics(self, out: dict, step_time: float) -> dict:
-        loss_sum, loss_tokens, tokens, computed, flops, peak = distributed.all_reduce_sum(
-            [out["loss_sum"], out["loss_tokens"], out["tokens"], out["computed_tokens"], out["flops"], out["peak_flops"]]
+        loss_sum, z_loss_sum, loss_tokens, tokens, computed, flops, peak = distributed.all_reduce_sum(
+            [out["loss_sum"], out["z_loss_sum"], out["loss_tokens"], out["tokens"], out["computed_tokens"],
+             out["flops"], out["peak_flops"]]
         )
+        z_loss = {"train/z_loss": z_loss_sum / max(loss_tokens, 1.0)} if self.config.loss.z_loss_weight else {}
         return {
+            **z_loss,
             "train/loss": loss_sum / max(loss_tokens, 1.0),
             "train/grad_norm": out["grad_norm"],
             "train/lr": out["lr"],

@@ -22,14 +22,15 @@ def token_mean_loss(outputs, global_loss_tokens: int) -> torch.Tensor:
     """Sum of this micro-batch's token losses over the loss tokens of the whole optimizer
     step (all micro-batches, all ranks): the gradient is then the same whatever the
     data-parallel size, the micro-batch split or the packing."""
-    loss_sum, _n_tokens = outputs
+    loss_sum = outputs[0]
     return loss_sum / max(global_loss_tokens, 1)
 
 
 class TrainingWorker:
-    def __init__(self, model_config, engine_config, optim_config, data_config, total_steps: int,
+    def __init__(self, model_config, loss_config, engine_config, optim_config, data_config, total_steps: int,
                  peak_flops: float | None = None):
         self.model_config = model_config
+        self.loss_config = loss_config
         self.engine_config = engine_config
         self.data_config = data_config
         self.peak_flops = peak_flops  # per device; measured in init_model when None
@@ -42,7 +43,8 @@ class TrainingWorker:
         verify_packed_attention(lm)
         self.body_params, self.head_params = flop_counts(lm)
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
-        self.engine.initialize(PackedCausalLM(lm, cfg.loss_backend))
+        loss = self.loss_config
+        self.engine.initialize(PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing))
         if self.peak_flops is None:
             dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
             rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
@@ -50,7 +52,7 @@ class TrainingWorker:
                                                   dtype, self.engine.device)
 
     def set_loss_fn(self, loss_fn: Callable) -> None:
-        """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = (loss_sum, n_tokens)."""
+        """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = (loss_sum, n_tokens, z_loss_sum)."""
         self.loss_fn = loss_fn
 
     def reset(self) -> None:
@@ -79,6 +81,7 @@ class TrainingWorker:
         result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
         return {
             "loss_sum": sum(float(o[0]) for o in result["outputs"]),
+            "z_loss_sum": sum(float(o[2]) for o in result["outputs"]),
             "loss_tokens": local_loss_tokens,
             "tokens": sum(lengths),
             "computed_tokens": sum(r["input_ids"].numel() for r in rows),
