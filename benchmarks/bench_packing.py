@@ -75,7 +75,7 @@ def run_mode(mode: str, args) -> dict:
                 out.loss.backward()
                 return ids.numel()
             row = {k: v.to(device) for k, v in mb.items()}
-            loss_sum, n_tokens, _ = model(**row)
+            loss_sum, n_tokens = model(**row)[:2]
             (loss_sum / n_tokens.clamp_min(1)).backward()
             return row["input_ids"].numel()
 

@@ -57,7 +57,7 @@ def test_per_sequence_losses_match_an_independent_reference(model):
     row = packed_row(batch)
     with torch.no_grad():
         sums, counts = model(**row, per_sequence=True)
-        total, n_tokens, _ = model(**row)
+        total, n_tokens = model(**row)[:2]
         for i in range(len(lengths)):
             ids, mask = batch[i]["input_ids"], batch[i]["loss_mask"]
             logits = model.lm(input_ids=ids[None], use_cache=False).logits[0].double()
@@ -67,6 +67,29 @@ def test_per_sequence_losses_match_an_independent_reference(model):
             assert abs(sums[i].item() - float(ref)) <= 1e-5 * max(1.0, abs(float(ref)))
     assert n_tokens.item() == counts.sum().item() == loss_token_count(batch)
     assert abs(total.item() - sums.sum().item()) <= 1e-5 * total.item()
+
+
+def test_token_accuracy_counts_argmax_hits_on_loss_tokens(model_path):
+    model = PackedCausalLM(load_causal_lm(model_path), token_accuracy=True).eval()
+    with torch.no_grad():
+        # A sequence continued greedily by the model itself: its 8 generated tokens are hits.
+        greedy = torch.tensor([1, 504, 2843])
+        for _ in range(8):
+            next_token = model.lm(input_ids=greedy[None], use_cache=False).logits[0, -1].argmax()
+            greedy = torch.cat([greedy, next_token[None]])
+        samples = [{"input_ids": greedy, "loss_mask": torch.arange(11) >= 3, "index": 0},
+                   {"input_ids": random_batch([14], seed=4)[0]["input_ids"], "loss_mask": torch.ones(14, dtype=torch.bool),
+                    "index": 1}]
+        batch = collate_jagged(samples)
+        _, n_tokens, _, correct = model(**packed_row(batch))
+        expected = 0
+        for sample in samples:
+            ids, mask = sample["input_ids"], sample["loss_mask"]
+            predicted = model.lm(input_ids=ids[None], use_cache=False).logits[0].argmax(-1)
+            expected += int((predicted[:-1] == ids[1:])[mask[1:]].sum())
+        not_asked = PackedCausalLM(load_causal_lm(model_path)).eval()(**packed_row(batch))[3]
+    assert expected >= 8 and correct.item() == expected and n_tokens.item() == 8 + 13
+    assert not_asked.item() == -1
 
 
 def test_a_model_that_attends_across_sequences_is_refused(model_path):
@@ -151,7 +174,7 @@ def test_training_with_the_fused_loss_follows_the_materialised_reference(model_p
         return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
     def fused(model, batch):
-        loss_sum, n_tokens, _ = model(**packed_row(batch))
+        loss_sum, n_tokens = model(**packed_row(batch))[:2]
         return loss_sum / n_tokens
 
     def reference(model, batch):

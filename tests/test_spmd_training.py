@@ -38,12 +38,13 @@ def test_zero_stage_trains_two_ranks_and_exports(tmp_path, model_path, chat_rows
     out = tmp_path / "run"
     proc = run_cli(None, base_overrides(model_path, train, val, out, **{
         "engine.zero_stage": zero_stage, "trainer.total_steps": 4, "data.micro_batch_size_per_gpu": 2,
-        "trainer.loggers": "[jsonl,tensorboard]",
+        "trainer.loggers": "[jsonl,tensorboard]", "loss.token_accuracy": "true",
     }), nproc=2, script=CHECK_SCRIPT, launcher=launcher)
     assert_ok(proc)
     metrics = read_metrics(out)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert 0 < metrics[-1]["val/loss"] < 100 and metrics[-1]["perf/mfu"] > 0
+    assert all(0 <= m["train/token_accuracy"] <= 1 for m in metrics)
     losses = [m["train/loss"] for m in metrics]
     assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5, losses

@@ -39,6 +39,7 @@ class LossConfig:
     backend: str = "auto"  # auto (CUDA/Triton on GPU, C++ on CPU, else torch) | cpp | cuda | triton | torch
     z_loss_weight: float = 0.0  # adds weight * logsumexp(logits)^2 per token; logged as train/z_loss
     label_smoothing: float = 0.0
+    token_accuracy: bool = False  # log train/token_accuracy (re-runs the LM head on loss tokens, no grad)
 
     def __post_init__(self):
         check_choice("loss", "backend", self.backend, {"auto", "cpp", "cuda", "triton", "torch"})

@@ -24,12 +24,13 @@ class PackedCausalLM(nn.Module):
     """
 
     def __init__(self, lm: nn.Module, loss_backend: str = "auto", z_loss_weight: float = 0.0,
-                 label_smoothing: float = 0.0):
+                 label_smoothing: float = 0.0, token_accuracy: bool = False):
         super().__init__()
         self.lm = lm
         self.loss_backend = loss_backend
         self.z_loss_weight = z_loss_weight
         self.label_smoothing = label_smoothing
+        self.token_accuracy = token_accuracy
 
     def hidden_states(self, input_ids, position_ids, offsets):
         # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn).
@@ -41,8 +42,9 @@ class PackedCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False):
-        """(loss sum, loss-token count, z-loss sum) of the row; per sequence (loss sums and
-        loss-token counts as (B,) tensors) if asked."""
+        """(loss sum, loss-token count, z-loss sum, correctly predicted loss tokens or -1 when
+        not measured) of the row; per sequence (loss sums and loss-token counts as (B,)
+        tensors) if asked."""
         hidden = self.hidden_states(input_ids, position_ids, offsets)
         head = self.lm.get_output_embeddings()
         out = varlen_linear_cross_entropy(
@@ -51,13 +53,25 @@ class PackedCausalLM(nn.Module):
             z_loss_weight=self.z_loss_weight, label_smoothing=self.label_smoothing,
         )
         if not per_sequence:
-            return out.loss, out.n_tokens, out.z_loss
+            correct = self.count_correct(hidden, head, input_ids[0], offsets, loss_mask) if self.token_accuracy else -1
+            return out.loss, out.n_tokens, out.z_loss, torch.as_tensor(correct)
         lengths = offsets.diff()
         sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
         loss_sums = out.loss.new_zeros(lengths.numel()).index_add(0, sequence_of_row, out.loss)
         targets = target_mask(loss_mask.bool(), offsets).long()
         loss_tokens = torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)
         return loss_sums, loss_tokens
+
+    @torch.no_grad()
+    def count_correct(self, hidden, head, input_ids, offsets, loss_mask, chunk: int = 2048) -> int:
+        """Loss tokens whose argmax prediction is right. The fused loss never forms logits, so
+        this re-runs the LM head (no grad, chunked) on the loss positions: only when asked."""
+        targets = torch.nonzero(target_mask(loss_mask.bool(), offsets), as_tuple=True)[0]
+        correct = 0
+        for start in range(0, targets.numel(), chunk):
+            t = targets[start:start + chunk]
+            correct += int((head(hidden[t - 1]).argmax(-1) == input_ids[t]).sum())
+        return correct
 
     def logits(self, input_ids, position_ids, offsets):
         """Full logits of a packed row (for evaluation and checks, not for training)."""

@@ -187,13 +187,17 @@ class SFTTrainer:
         return loss_sum / max(loss_tokens, 1.0)
 
     def step_metrics(self, out: dict, step_time: float) -> dict:
-        loss_sum, z_loss_sum, loss_tokens, tokens, computed, flops, peak = distributed.all_reduce_sum(
-            [out["loss_sum"], out["z_loss_sum"], out["loss_tokens"], out["tokens"], out["computed_tokens"],
-             out["flops"], out["peak_flops"]]
+        loss_sum, z_loss_sum, correct, loss_tokens, tokens, computed, flops, peak = distributed.all_reduce_sum(
+            [out["loss_sum"], out["z_loss_sum"], out["correct_tokens"], out["loss_tokens"], out["tokens"],
+             out["computed_tokens"], out["flops"], out["peak_flops"]]
         )
-        z_loss = {"train/z_loss": z_loss_sum / max(loss_tokens, 1.0)} if self.config.loss.z_loss_weight else {}
+        optional = {}
+        if self.config.loss.z_loss_weight:
+            optional["train/z_loss"] = z_loss_sum / max(loss_tokens, 1.0)
+        if self.config.loss.token_accuracy:
+            optional["train/token_accuracy"] = correct / max(loss_tokens, 1.0)
         return {
-            **z_loss,
+            **optional,
             "train/loss": loss_sum / max(loss_tokens, 1.0),
             "train/grad_norm": out["grad_norm"],
             "train/lr": out["lr"],

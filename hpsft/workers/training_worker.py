@@ -44,7 +44,9 @@ class TrainingWorker:
         self.body_params, self.head_params = flop_counts(lm)
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
-        self.engine.initialize(PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing))
+        self.engine.initialize(
+            PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
+        )
         if self.peak_flops is None:
             dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
             rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
@@ -52,7 +54,7 @@ class TrainingWorker:
                                                   dtype, self.engine.device)
 
     def set_loss_fn(self, loss_fn: Callable) -> None:
-        """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = (loss_sum, n_tokens, z_loss_sum)."""
+        """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = PackedCausalLM's."""
         self.loss_fn = loss_fn
 
     def reset(self) -> None:
@@ -82,6 +84,7 @@ class TrainingWorker:
         return {
             "loss_sum": sum(float(o[0]) for o in result["outputs"]),
             "z_loss_sum": sum(float(o[2]) for o in result["outputs"]),
+            "correct_tokens": sum(int(o[3]) for o in result["outputs"]),
             "loss_tokens": local_loss_tokens,
             "tokens": sum(lengths),
             "computed_tokens": sum(r["input_ids"].numel() for r in rows),
