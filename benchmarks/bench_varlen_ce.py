@@ -6,11 +6,20 @@ the RSS high-water mark is reset (/proc/self/clear_refs), then the measured fwd+
 top of its inputs (logits, softmax, gradients, including d(weight) and d(hidden), which
 every method produces). Time is the median fwd+bwd wall time over --repeats runs.
 
+--device cuda: bf16 inputs (what a GPU trainer feeds the LM head), time between
+torch.cuda.synchronize() calls, peak extra = torch.cuda.max_memory_allocated() after
+reset_peak_memory_stats() minus memory_allocated() before the measured runs. Adds rows for
+hpsft's Triton kernel and for Liger-Kernel's fused linear cross-entropy (when installed),
+and an achieved TFLOP/s column counting 8*N*H*V FLOPs (N supervised tokens) with its
+fraction of --peak-tflops.
+
     .venv/bin/python benchmarks/bench_varlen_ce.py            # the table in docs/ops.md
     .venv/bin/python benchmarks/bench_varlen_ce.py --quick    # small shapes, seconds
+    python benchmarks/bench_varlen_ce.py --device cuda        # GPU table (scripts/gpu_checks.sh)
 """
 
 import argparse
+import importlib.util
 import json
 import re
 import statistics
@@ -36,17 +45,34 @@ FULL_CASES = [  # (H, V, tokens, supervised fraction)
     (4096, 128256, 256, 1.0),
 ]
 QUICK_CASES = [(64, 4096, 512, 1.0), (64, 4096, 512, 1 / 3)]
+# GPU-only methods (the CPU table keeps the three above).
+GPU_METHODS = {
+    "hpsft_triton": "hpsft varlen_linear_cross_entropy (backend triton)",
+    "liger": "Liger-Kernel LigerFusedLinearCrossEntropyLoss",
+}
+# GPU target: hpsft fwd+bwd >= 60 % of bf16 dense peak at N=8192, H=4096, V=128256. Sized so
+# that every method of every case runs in ~2 minutes in all (scripts/gpu_checks.sh).
+GPU_CASES = [
+    (4096, 128256, 8192, 1.0),
+    (4096, 128256, 8192, 1 / 3),
+    (576, 49152, 8192, 1.0),
+]
+TARGET_CASE = (4096, 128256, 8192, 1.0)
+TARGET_FRACTION_OF_PEAK = 0.6
 
 
 def rss_kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
 
 
-def make_inputs(hidden_size, vocab_size, tokens, supervised_fraction, seq_len=512):
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, generator=gen).requires_grad_()
-    weight = (torch.randn(vocab_size, hidden_size, generator=gen) / hidden_size**0.5).requires_grad_()
-    input_ids = torch.randint(0, vocab_size, (tokens,), generator=gen)
+def make_inputs(hidden_size, vocab_size, tokens, supervised_fraction, seq_len=512, device="cpu"):
+    # fp32 on CPU; bf16 on GPU. The random values are drawn on the device itself (a CPU draw of
+    # a 128256 x 4096 weight costs seconds per process); on CPU .to()/.cpu() below are no-ops.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=gen, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab_size, hidden_size, generator=gen, device=device) / hidden_size**0.5).to(dtype).requires_grad_()
+    input_ids = torch.randint(0, vocab_size, (tokens,), generator=gen, device=device).cpu()
     offsets = torch.arange(0, tokens + 1, min(seq_len, tokens))
     # Chat-like: the first (1 - fraction) of every sequence is prompt, the rest is supervised.
     position = torch.arange(tokens) % min(seq_len, tokens)
@@ -57,26 +83,36 @@ def make_inputs(hidden_size, vocab_size, tokens, supervised_fraction, seq_len=51
     starts[offsets] = True
     predicts = loss_mask[1:].bool() & ~starts[1:tokens]
     labels[:-1][predicts] = input_ids[1:][predicts]
-    return hidden, weight, input_ids, offsets, loss_mask, labels
+    return (hidden, weight, *(t.to(device) for t in (input_ids, offsets, loss_mask, labels)))
 
 
 def loss_fn(method, hidden, weight, input_ids, offsets, loss_mask, labels):
-    if method == "hpsft":
+    if method in ("hpsft", "hpsft_triton"):
         from hpsft.ops import varlen_linear_cross_entropy
 
-        out = varlen_linear_cross_entropy(hidden, weight, input_ids=input_ids, offsets=offsets, loss_mask=loss_mask)
+        backend = "triton" if method == "hpsft_triton" else "auto"
+        out = varlen_linear_cross_entropy(hidden, weight, input_ids=input_ids, offsets=offsets, loss_mask=loss_mask, backend=backend)
         return out.loss, out.backend
     if method == "materialised":
-        return F.cross_entropy(hidden @ weight.t(), labels, reduction="sum"), "torch"
+        # .float(): the usual Hugging Face loss upcasts bf16 logits (a no-op on fp32 CPU inputs).
+        return F.cross_entropy((hidden @ weight.t()).float(), labels, reduction="sum"), "torch"
+    if method == "liger":
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        # Liger 0.8.x: forward(lin_weight, _input, target, bias=None); ignore_index defaults to -100.
+        return LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, hidden, labels), "liger"
     # Same rows per chunk as hpsft: LinearCrossEntropyOptions() ("auto") measured 10-20x slower
     # than materialised logits on this CPU at 1024 tokens.
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=default_chunk_rows(weight.shape[0], torch.float32))
     return F.linear_cross_entropy(hidden, weight, labels, reduction="sum", ignore_index=-100, options=options), "torch"
 
 
-def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats):
-    inputs = make_inputs(hidden_size, vocab_size, tokens, fraction)
+def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats, device="cpu"):
+    inputs = make_inputs(hidden_size, vocab_size, tokens, fraction, device=device)
     hidden, weight = inputs[:2]
+    on_gpu = device != "cpu"
+    # GPU work is asynchronous: the clock is read between synchronisations (on CPU: no-op).
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
     def step():
         hidden.grad = weight.grad = None
@@ -86,26 +122,38 @@ def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats):
 
     loss, backend = step()  # warm-up: JIT/lazy init, thread pools, allocator
     hidden.grad = weight.grad = None
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # reset VmHWM to the current RSS
-    before = rss_kib("VmRSS")
+    if on_gpu:
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        before_bytes = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # reset VmHWM to the current RSS
+        before = rss_kib("VmRSS")
     wall, cpu = [], []
     for _ in range(repeats):
+        sync()
         start_wall, start_cpu = time.perf_counter(), time.process_time()
         step()
+        sync()
         wall.append(time.perf_counter() - start_wall)
         cpu.append(time.process_time() - start_cpu)
+    if on_gpu:
+        peak_extra_mib = (torch.cuda.max_memory_allocated() - before_bytes) / 2**20
+    else:
+        peak_extra_mib = (rss_kib("VmHWM") - before) / 1024
     return {
         "time_s": statistics.median(wall),
         "cpu_s": statistics.median(cpu),  # all threads; less sensitive than wall time to other load
-        "peak_extra_mib": (rss_kib("VmHWM") - before) / 1024,
+        "peak_extra_mib": peak_extra_mib,
         "loss": loss,
         "backend": backend,
+        "n_supervised": int((inputs[5] != -100).sum()),  # N in the FLOP count
     }
 
 
-def run_isolated(method, case, repeats):
-    command = [sys.executable, __file__, "--child", method, *map(str, case), "--repeats", str(repeats)]
+def run_isolated(method, case, repeats, device="cpu"):
+    command = [sys.executable, __file__, "--child", method, *map(str, case), "--repeats", str(repeats), "--device", device]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr else f"exit {result.returncode}"}
@@ -118,11 +166,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--case", nargs=4, type=float, action="append", metavar=("H", "V", "TOKENS", "FRACTION"),
                         help="run only this shape (repeatable)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: bf16 inputs, GPU timing and memory, Triton and Liger rows, TFLOP/s")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="bf16 dense peak for the %% of peak column (989: H100/H200 SXM)")
     parser.add_argument("--child", nargs=5, metavar=("METHOD", "H", "V", "TOKENS", "FRACTION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         method, h, v, tokens, fraction = args.child
-        print(json.dumps(run_one(method, int(h), int(v), int(tokens), float(fraction), args.repeats)))
+        print(json.dumps(run_one(method, int(h), int(v), int(tokens), float(fraction), args.repeats, args.device)))
+        return
+    if args.device == "cuda":
+        gpu_main(args)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, fwd+bwd, reduction sum")
     print("F.linear_cross_entropy: " + ("present" if hasattr(F, "linear_cross_entropy") else "absent in this torch"))
@@ -151,6 +206,49 @@ def main():
                 )
             print(f"{name} | {result['time_s']:.2f} | {result['cpu_s']:.2f} | {result['peak_extra_mib']:.0f} | {ratios} |", flush=True)
     print(f"load average after the run: {open('/proc/loadavg').read().split()[:3]}")
+
+
+def gpu_main(args):
+    """The GPU table: like the CPU one, plus TFLOP/s (8*N*H*V FLOPs, N supervised tokens)."""
+    if not torch.cuda.is_available():
+        sys.exit("--device cuda: torch.cuda.is_available() is False")
+    has_liger = importlib.util.find_spec("liger_kernel") is not None
+    has_torch_linear_ce = hasattr(F, "linear_cross_entropy")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, bf16 inputs, fwd+bwd, reduction sum, "
+          f"median of {args.repeats}; peak {args.peak_tflops:g} TFLOP/s (--peak-tflops)")
+    print("F.linear_cross_entropy: " + ("present" if has_torch_linear_ce else "absent in this torch"))
+    print("Liger-Kernel: " + ("installed" if has_liger else "not installed"))
+    header = ("| H | V | tokens | supervised | method | time ms | peak extra MiB | TFLOP/s | of peak "
+              "| time / materialised | memory / materialised |")
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    methods = {**METHODS, **GPU_METHODS}
+    missing = {"torch_linear_ce": None if has_torch_linear_ce else "absent in this torch",
+               "liger": None if has_liger else "not installed (pip install liger-kernel)"}
+    cases = [(int(h), int(v), int(t), f) for h, v, t, f in args.case] if args.case else QUICK_CASES if args.quick else GPU_CASES
+    target = None
+    for case in cases:
+        h, v, tokens, fraction = case
+        results = {m: {"error": missing[m]} if missing.get(m) else run_isolated(m, case, args.repeats, "cuda") for m in methods}
+        base = results["materialised"]
+        for method, result in results.items():
+            prefix = f"| {h} | {v} | {tokens} | {fraction:.2f} | {methods[method]}"
+            if "error" in result:
+                print(f"{prefix} | {result['error']} | | | | | |")
+                continue
+            name = f"{prefix} [{result['backend']}]" if method.startswith("hpsft") else prefix
+            tflops = 8 * result["n_supervised"] * h * v / result["time_s"] / 1e12
+            of_peak = tflops / args.peak_tflops
+            ratios = " | "
+            if "error" not in base:
+                ratios = f"{result['time_s'] / base['time_s']:.2f} | {result['peak_extra_mib'] / max(base['peak_extra_mib'], 1e-9):.3f}"
+            print(f"{name} | {result['time_s'] * 1e3:.1f} | {result['peak_extra_mib']:.0f} | {tflops:.0f} | {of_peak:.0%} | {ratios} |", flush=True)
+            if method == "hpsft" and (h, v, tokens, fraction) == TARGET_CASE:
+                target = of_peak
+    if target is not None:
+        verdict = "met" if target >= TARGET_FRACTION_OF_PEAK else "NOT met"
+        print(f"target: hpsft fwd+bwd >= {TARGET_FRACTION_OF_PEAK:.0%} of peak at N=8192, H=4096, V=128256: "
+              f"{target:.0%} -> {verdict}")
 
 
 if __name__ == "__main__":
