@@ -68,14 +68,18 @@ if [[ "$DRY_RUN" == 1 ]]; then
     DEVICE=cpu
 else
     DEVICE=cuda
-    # --system-site-packages: the lent H200 has no network (its image holds a CUDA torch,
-    # triton, pytest, transformers); pip below upgrades what it can reach, the rest comes
-    # from the image.
+    # Carried wheels (GPU_CHECKS_PREPARE=1) go to a folder on PYTHONPATH, so they serve
+    # whichever interpreter runs below (.venv-gpu or the image's python3).
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        step carried-wheels 120 "$ENV_LOG" python3 -m pip install --no-index --no-deps --upgrade \
+            --target .cache/gpu_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$PWD/.cache/gpu_site"
+    fi
+    # The lent H200 has no network; its image's python3 (itself a venv, /opt/torch/.venv)
+    # holds a CUDA torch, triton, pytest and transformers. --system-site-packages exposes the
+    # base interpreter's packages, which may not include those: if .venv-gpu ends up without
+    # a working CUDA torch (pip could not reach an index), the image's python3 is used.
     step venv 60 "$ENV_LOG" python3 -m venv --system-site-packages .venv-gpu
     PY=.venv-gpu/bin/python
-    if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (GPU_CHECKS_PREPARE=1)
-        step carried-wheels 120 "$ENV_LOG" "$PY" -m pip install --no-index --no-deps .whl/*.whl
-    fi
     step pip-torch 180 "$ENV_LOG" "$PY" -m pip install torch==2.13.0
     step pip-build-tools 60 "$ENV_LOG" "$PY" -m pip install setuptools wheel ninja
     # flash-attn is deliberately absent ([dev] does not pull it; building it takes far too long).
