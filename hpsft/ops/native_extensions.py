@@ -13,6 +13,7 @@ import os
 import warnings
 
 from hpsft.ops import native_build
+from hpsft.ops.row_options import RowOptions
 
 
 def _prebuilt(module_name: str, sources: list[str]):
@@ -27,6 +28,15 @@ def _prebuilt(module_name: str, sources: list[str]):
     if existing and os.path.getmtime(spec.origin) < max(map(os.path.getmtime, existing)):
         return None, f"{spec.origin} is older than csrc/ (rebuild with pip install -e .)"
     return importlib.import_module(module_name), ""
+
+
+def native_rows_forward_(module, block, labels, row_scale, options: RowOptions, compute_grad: bool):
+    """Call a native row kernel: the C++ and CUDA bindings share this signature."""
+    return tuple(
+        module.rows_forward_(
+            block, labels, row_scale, options.softcap, options.label_smoothing, options.z_loss_weight, compute_grad
+        )
+    )
 
 
 def load_extension(prebuilt_module: str, jit_name: str, sources: list[str], **build_args):

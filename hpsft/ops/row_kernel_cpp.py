@@ -3,7 +3,7 @@
 import functools
 
 from hpsft.ops import native_build
-from hpsft.ops.native_extensions import load_extension
+from hpsft.ops.native_extensions import load_extension, native_rows_forward_
 from hpsft.ops.row_options import RowOptions
 
 
@@ -19,12 +19,7 @@ def _extension():
 
 
 def cpp_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
-    module, _ = _extension()
-    return tuple(
-        module.rows_forward_(
-            block, labels, row_scale, options.softcap, options.label_smoothing, options.z_loss_weight, compute_grad
-        )
-    )
+    return native_rows_forward_(_extension()[0], block, labels, row_scale, options, compute_grad)
 
 
 def load_cpp_row_kernel():

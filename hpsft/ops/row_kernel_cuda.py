@@ -5,7 +5,7 @@ import functools
 import torch
 
 from hpsft.ops import native_build
-from hpsft.ops.native_extensions import load_extension
+from hpsft.ops.native_extensions import load_extension, native_rows_forward_
 from hpsft.ops.row_options import RowOptions
 
 
@@ -24,12 +24,7 @@ def _extension():
 
 
 def cuda_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
-    module, _ = _extension()
-    return tuple(
-        module.rows_forward_(
-            block, labels, row_scale, options.softcap, options.label_smoothing, options.z_loss_weight, compute_grad
-        )
-    )
+    return native_rows_forward_(_extension()[0], block, labels, row_scale, options, compute_grad)
 
 
 def load_cuda_row_kernel():
