@@ -75,7 +75,8 @@ def run_mode(mode: str, args) -> dict:
                 out.loss.backward()
                 return ids.numel()
             row = {k: v.to(device) for k, v in mb.items()}
-            loss_sum, n_tokens = model(**row)[:2]
+            out = model(**row)
+            loss_sum, n_tokens = out["loss"], out["n_tokens"]
             (loss_sum / n_tokens.clamp_min(1)).backward()
             return row["input_ids"].numel()
 

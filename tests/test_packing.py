@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import first_fit_decreasing, min_micro_batches, plan_micro_batches
-from hpsft.models import PackedCausalLM, load_causal_lm, verify_packed_attention
+from hpsft.models import PackedCausalLM, UnsupportedModel, load_causal_lm, verify_packed_training
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_varlen_sdpa_equals_transformers_block_masked_sdpa(model_path):
     batch = random_batch([7, 1, 12, 3], seed=3)
     row = packed_row(batch)
     with torch.no_grad():
-        ours = PackedCausalLM(load_causal_lm(model_path, "hpsft_varlen_sdpa")).eval().logits(
+        ours = PackedCausalLM(load_causal_lm(model_path, "hpsft_varlen")).eval().logits(
             row["input_ids"], row["position_ids"], row["offsets"])
         theirs = PackedCausalLM(load_causal_lm(model_path, "sdpa")).eval().logits(
             row["input_ids"], row["position_ids"], row["offsets"])
@@ -56,8 +56,10 @@ def test_per_sequence_losses_match_an_independent_reference(model):
     batch = random_batch(lengths, seed=1)
     row = packed_row(batch)
     with torch.no_grad():
-        sums, counts = model(**row, per_sequence=True)
-        total, n_tokens = model(**row)[:2]
+        per_sequence = model(**row, per_sequence=True)
+        sums, counts = per_sequence["nll"], per_sequence["n_tokens"]
+        out = model(**row)
+        total, n_tokens = out["loss"], out["n_tokens"]
         for i in range(len(lengths)):
             ids, mask = batch[i]["input_ids"], batch[i]["loss_mask"]
             logits = model.lm(input_ids=ids[None], use_cache=False).logits[0].double()
@@ -81,29 +83,33 @@ def test_token_accuracy_counts_argmax_hits_on_loss_tokens(model_path):
                    {"input_ids": random_batch([14], seed=4)[0]["input_ids"], "loss_mask": torch.ones(14, dtype=torch.bool),
                     "index": 1}]
         batch = collate_jagged(samples)
-        _, n_tokens, _, correct = model(**packed_row(batch))
+        out = model(**packed_row(batch))
+        n_tokens, correct = out["n_tokens"], out["correct"]
         expected = 0
         for sample in samples:
             ids, mask = sample["input_ids"], sample["loss_mask"]
             predicted = model.lm(input_ids=ids[None], use_cache=False).logits[0].argmax(-1)
             expected += int((predicted[:-1] == ids[1:])[mask[1:]].sum())
-        not_asked = PackedCausalLM(load_causal_lm(model_path)).eval()(**packed_row(batch))[3]
+        not_asked = PackedCausalLM(load_causal_lm(model_path)).eval()(**packed_row(batch))["correct"]
     assert expected >= 8 and correct.item() == expected and n_tokens.item() == 8 + 13
     assert not_asked.item() == -1
 
 
+def row_wide_causal_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Causal attention over the whole packed row: ignores the sequence boundaries."""
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def test_a_model_that_attends_across_sequences_is_refused(model_path):
+    from transformers import AttentionInterface
+
     lm = load_causal_lm(model_path)
-    verify_packed_attention(lm)  # the real model is fine
-    lm.config.use_cache = True
-    original = lm.forward
-
-    def leaky_forward(*args, position_ids=None, **kwargs):  # ignores the restarts
-        return original(*args, **kwargs)
-
-    lm.forward = leaky_forward
-    with pytest.raises(RuntimeError, match="attends across packed sequences"):
-        verify_packed_attention(lm)
+    verify_packed_training(lm)  # the real model is fine
+    AttentionInterface.register("test_row_wide_causal", row_wide_causal_attention)
+    lm.set_attn_implementation("test_row_wide_causal")
+    with pytest.raises(UnsupportedModel, match="differs from the model's own eager forward"):
+        verify_packed_training(lm)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -139,12 +145,12 @@ def test_fixed_and_token_budget_splits_give_the_same_loss_and_gradients(model):
         model.zero_grad()
         total = 0.0
         for b in bins:
-            loss_sum = model(**packed_row(select(batch, b)))[0]
+            loss_sum = model(**packed_row(select(batch, b)))["loss"]
             (loss_sum / global_tokens).backward()
             total += loss_sum.item()
         return total, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
-    global_tokens = int(sum(model(**packed_row(select(batch, [i])))[1] for i in range(len(lengths))))
+    global_tokens = int(sum(model(**packed_row(select(batch, [i])))["n_tokens"] for i in range(len(lengths))))
     loss_a, grads_a = step(plan_micro_batches(lengths, min_micro_batches(lengths, 3, None), 3, None))
     loss_b, grads_b = step(plan_micro_batches(lengths, min_micro_batches(lengths, None, 40), None, 40))
     loss_c, grads_c = step([list(range(len(lengths)))])
@@ -174,8 +180,8 @@ def test_training_with_the_fused_loss_follows_the_materialised_reference(model_p
         return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
 
     def fused(model, batch):
-        loss_sum, n_tokens = model(**packed_row(batch))[:2]
-        return loss_sum / n_tokens
+        out = model(**packed_row(batch))
+        return out["loss"] / out["n_tokens"]
 
     def reference(model, batch):
         total, count = 0.0, 0

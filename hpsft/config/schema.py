@@ -21,15 +21,15 @@ def check_positive(section: str, name: str, value, allow_zero: bool = False) -> 
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ".cache/models/smollm2-135m-4l"
-    # auto: flash_attention_2 on GPU with flash-attn installed, else hpsft_varlen_sdpa (exact
-    # per-sequence SDPA); sdpa/eager: transformers' own (a mask over the whole packed row).
+    # auto: flash_attention_2 on GPU with flash-attn installed, else hpsft_varlen (exact
+    # per-sequence attention); sdpa/eager: transformers' own (a mask over the whole packed row).
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
 
     def __post_init__(self):
         check_choice("model", "attn_implementation", self.attn_implementation,
-                     {"auto", "hpsft_varlen_sdpa", "sdpa", "eager", "flash_attention_2"})
+                     {"auto", "hpsft_varlen", "sdpa", "eager", "flash_attention_2"})
 
 
 @dataclass(frozen=True)

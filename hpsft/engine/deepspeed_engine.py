@@ -41,6 +41,10 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def detached(outputs: dict) -> dict:
+    return {name: value.detach() for name, value in outputs.items()}
+
+
 class DeepSpeedEngine(TrainEngine):
     def __init__(self, engine_config, optim_config, total_steps: int):
         self.config = engine_config
@@ -106,7 +110,7 @@ class DeepSpeedEngine(TrainEngine):
             out = self.engine(**self.to_device(micro_batch))
             loss = loss_fn(out)
             self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
-            outputs.append(tuple(o.detach() for o in out))
+            outputs.append(detached(out))
         unsharded_norm = self.unsharded_grad_norm() if self.config.zero_stage == 0 else None
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
@@ -125,7 +129,7 @@ class DeepSpeedEngine(TrainEngine):
     @torch.no_grad()
     def infer_batch(self, micro_batches) -> list:
         self.engine.eval()
-        return [tuple(o.detach() for o in self.engine(**self.to_device(mb))) for mb in micro_batches]
+        return [detached(self.engine(**self.to_device(mb))) for mb in micro_batches]
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         self.engine.save_checkpoint(root, tag=tag, save_latest=False)

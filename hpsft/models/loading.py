@@ -38,7 +38,7 @@ def resolve_attn_implementation(name: str) -> str:
     if name == "flash_attention_2" and not flash_attn_available():
         raise UserInputError(
             "model.attn_implementation=flash_attention_2 needs a GPU and the flash-attn package "
-            "(pip install flash-attn); use auto or hpsft_varlen_sdpa otherwise"
+            "(pip install flash-attn); use auto or hpsft_varlen otherwise"
         )
     return name
 

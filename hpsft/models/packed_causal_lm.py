@@ -2,22 +2,25 @@
 
 Packing: a micro-batch is one row whose `position_ids` restart at every sequence, and the
 sequence boundaries (cu_seqlens) go to the attention: flash-attn's varlen kernels on GPU,
-hpsft's per-sequence SDPA otherwise (varlen_attention.py). transformers' own sdpa/eager
-also work (a block-diagonal mask from the position restarts, when `attention_mask=None`
-and `use_cache=False`; with the cache on, packed documents silently attend to each other).
-`verify_packed_attention` checks that a model really keeps sequences apart.
+hpsft's per-sequence attention otherwise (varlen_attention.py). transformers' own
+sdpa/eager also work (a block-diagonal mask from the position restarts, when
+`attention_mask=None` and `use_cache=False`; with the cache on, packed documents silently
+attend to each other). What the family's own forward does after the decoder (logit
+soft-capping and scaling, the MoE router loss) is redone here from `families.output_side`.
+`verify_packed_training` checks the whole path against the model's own eager forward.
 """
 
 import torch
 from torch import nn
 
 from hpsft.data.batch import target_mask
+from hpsft.models.families import UnsupportedModel, longest_sliding_window, output_side
+from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 from hpsft.ops import varlen_linear_cross_entropy
 
 
 class PackedCausalLM(nn.Module):
-    """Wraps a HF causal LM; forward returns (sum of token losses, number of loss tokens,
-    sum of token z-losses); the loss sum includes the z-loss term when its weight is set.
+    """Wraps a HF causal LM; forward returns a dict of the row's loss terms (see forward).
 
     The LM-head weight is read inside this module's forward, so under ZeRO-3 DeepSpeed
     gathers it as an external parameter of this module; full logits are never built.
@@ -31,41 +34,72 @@ class PackedCausalLM(nn.Module):
         self.z_loss_weight = z_loss_weight
         self.label_smoothing = label_smoothing
         self.token_accuracy = token_accuracy
+        self.output_side = output_side(lm)
 
     def hidden_states(self, input_ids, position_ids, offsets):
+        """The decoder's last hidden state (T, H), scaled as the family scales its logits, and
+        the router logits per layer (MoE with the router loss on; else None)."""
         # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn).
         max_length = int(offsets.diff().max()) if offsets.numel() > 1 else 0
+        with_router = self.output_side.router_aux_loss is not None
         out = self.lm.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False,
             cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=max_length, max_length_k=max_length,
+            **({"output_router_logits": True} if with_router else {}),
         )
-        return out.last_hidden_state[0]
+        hidden = out.last_hidden_state[0]
+        if self.output_side.hidden_scale != 1.0:
+            hidden = hidden * self.output_side.hidden_scale
+        return hidden, (out.router_logits if with_router else None)
 
-    def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False):
-        """(loss sum, loss-token count, z-loss sum, correctly predicted loss tokens or -1 when
-        not measured) of the row; per sequence (loss sums and loss-token counts as (B,)
-        tensors) if asked."""
-        hidden = self.hidden_states(input_ids, position_ids, offsets)
+    def router_aux_loss(self, router_logits) -> torch.Tensor:
+        """The family's own load-balancing loss over this row's tokens (no padding: no mask)."""
+        side = self.output_side
+        return side.router_aux_loss(router_logits, side.num_experts, side.experts_per_token, None)
+
+    def token_losses(self, hidden, input_ids, offsets, loss_mask, reduction):
         head = self.lm.get_output_embeddings()
-        out = varlen_linear_cross_entropy(
+        return varlen_linear_cross_entropy(
             hidden, head.weight, getattr(head, "bias", None), input_ids=input_ids[0], offsets=offsets,
-            loss_mask=loss_mask, reduction="none" if per_sequence else "sum", backend=self.loss_backend,
-            z_loss_weight=self.z_loss_weight, label_smoothing=self.label_smoothing,
+            loss_mask=loss_mask, reduction=reduction, backend=self.loss_backend, z_loss_weight=self.z_loss_weight,
+            label_smoothing=self.label_smoothing, softcap=self.output_side.softcap, return_logprobs=True,
         )
-        if not per_sequence:
-            correct = self.count_correct(hidden, head, input_ids[0], offsets, loss_mask) if self.token_accuracy else -1
-            return out.loss, out.n_tokens, out.z_loss, torch.as_tensor(correct)
-        lengths = offsets.diff()
-        sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-        loss_sums = out.loss.new_zeros(lengths.numel()).index_add(0, sequence_of_row, out.loss)
-        targets = target_mask(loss_mask.bool(), offsets).long()
-        loss_tokens = torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)
-        return loss_sums, loss_tokens
+
+    def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False) -> dict:
+        """The row's loss terms, as sums over its loss tokens:
+          loss            the training objective: cross-entropy (with z-loss and label
+                          smoothing when set) + router_aux_loss_coef * router_aux_loss * n_tokens
+                          (the router loss of a micro-batch weighs by its share of the step's
+                          loss tokens once the caller divides by that count)
+          nll             the plain negative log-likelihood (detached): what train/loss reports
+          n_tokens        loss tokens;  z_loss  the z-loss part (detached)
+          router_aux_loss the family's load-balancing loss of this row (MoE; else 0, detached)
+          correct         argmax hits on the loss tokens, or -1 when not measured
+        With per_sequence (no gradients needed): {nll, n_tokens} as (B,) tensors per sequence.
+        """
+        hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets)
+        out = self.token_losses(hidden, input_ids, offsets, loss_mask, "none" if per_sequence else "sum")
+        if per_sequence:
+            lengths = offsets.diff()
+            sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+            nll = (-out.logprobs).new_zeros(lengths.numel()).index_add(0, sequence_of_row, -out.logprobs)
+            targets = target_mask(loss_mask.bool(), offsets).long()
+            return {"nll": nll, "n_tokens": torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)}
+        loss = out.loss
+        aux = loss.new_zeros(())
+        if router_logits is not None:
+            aux = self.router_aux_loss(router_logits)
+            loss = loss + self.output_side.router_aux_loss_coef * aux * out.n_tokens
+        correct = self.count_correct(hidden, input_ids[0], offsets, loss_mask) if self.token_accuracy else -1
+        return {"loss": loss, "nll": -out.logprobs.sum(), "n_tokens": out.n_tokens, "z_loss": out.z_loss,
+                "router_aux_loss": aux.detach(), "correct": torch.as_tensor(correct)}
 
     @torch.no_grad()
-    def count_correct(self, hidden, head, input_ids, offsets, loss_mask, chunk: int = 2048) -> int:
+    def count_correct(self, hidden, input_ids, offsets, loss_mask, chunk: int = 2048) -> int:
         """Loss tokens whose argmax prediction is right. The fused loss never forms logits, so
-        this re-runs the LM head (no grad, chunked) on the loss positions: only when asked."""
+        this re-runs the LM head (no grad, chunked) on the loss positions: only when asked.
+        Soft-capping is monotonic, so the argmax of the raw head output is the model's."""
+        head = self.lm.get_output_embeddings()
         targets = torch.nonzero(target_mask(loss_mask.bool(), offsets), as_tuple=True)[0]
         correct = 0
         for start in range(0, targets.numel(), chunk):
@@ -74,26 +108,71 @@ class PackedCausalLM(nn.Module):
         return correct
 
     def logits(self, input_ids, position_ids, offsets):
-        """Full logits of a packed row (for evaluation and checks, not for training)."""
-        return self.lm.get_output_embeddings()(self.hidden_states(input_ids, position_ids, offsets))
+        """Full logits of a packed row, as the family computes them (for evaluation and
+        checks, not for training)."""
+        logits = self.lm.get_output_embeddings()(self.hidden_states(input_ids, position_ids, offsets)[0])
+        softcap = self.output_side.softcap
+        return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def eager_reference_logprobs(lm: nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """log p(token t | tokens < t) for t >= 1 of each sequence run alone through the model's
+    own forward with transformers' eager attention, concatenated (fp64)."""
+    implementation = lm.config._attn_implementation
+    lm.set_attn_implementation("eager")
+    try:
+        if lm.config._attn_implementation != "eager":  # a self-comparison would prove nothing
+            raise UnsupportedModel(f"{type(lm).__name__} cannot switch to eager attention for the start-up check")
+        logprobs = []
+        for ids in sequences:
+            logits = lm(input_ids=ids[None], use_cache=False).logits[0].double()
+            logprobs.append(logits[:-1].log_softmax(-1).gather(1, ids[1:, None])[:, 0])
+        return torch.cat(logprobs)
+    finally:
+        lm.set_attn_implementation(implementation)
 
 
 @torch.no_grad()
-def verify_packed_attention(lm: nn.Module, tolerance: float = 1e-4) -> None:
-    """Run two short sequences packed and alone; refuse a model whose packed logits differ."""
+def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
+    """Refuse a model on which hpsft's packed loss path is not the model's own computation.
+
+    Two sequences, one longer than any sliding window, run packed through PackedCausalLM
+    (hpsft's attention and output side) and each alone through the model's own eager
+    forward; the log-probabilities of every next token must agree. This catches what a
+    family does that hpsft does not (attention variants, logit transforms) by comparison
+    with the family's own code, never with hpsft's.
+    """
     was_training = lm.training
     lm.eval()
-    vocab = lm.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in (4, 3)]
-    packed_ids = torch.cat(seqs)[None]
-    position_ids = torch.cat([torch.arange(s.numel()) for s in seqs])[None]
-    packed = lm(input_ids=packed_ids, position_ids=position_ids, use_cache=False).logits[0]
-    alone = torch.cat([lm(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
-    lm.train(was_training)
-    err = ((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-6)).item()
+    implementation = lm.config._attn_implementation
+    if implementation == "flash_attention_2" and next(lm.parameters()).device.type == "cpu":
+        # flash-attn cannot run on the CPU model: check hpsft's side with its own attention;
+        # transformers' flash-attn integration passes windows and soft-caps itself.
+        lm.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        device = next(lm.parameters()).device
+        vocab = lm.get_output_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(0)
+        lengths = (max(longest_sliding_window(lm.config) + 8, 24), 9)
+        sequences = [torch.randint(0, vocab, (n,), generator=g).to(device) for n in lengths]
+        packed = PackedCausalLM(lm)
+        offsets = torch.tensor([0, lengths[0], sum(lengths)], device=device)
+        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+        hidden, _ = packed.hidden_states(torch.cat(sequences)[None], position_ids, offsets)
+        loss_mask = torch.ones(sum(lengths), dtype=torch.bool, device=device)
+        out = packed.token_losses(hidden, torch.cat(sequences)[None], offsets, loss_mask, "none")
+        # Row t - 1 predicts target token t: the op reports log-probabilities per predicting row.
+        predicting_rows = torch.nonzero(target_mask(loss_mask, offsets), as_tuple=True)[0] - 1
+        ours = out.logprobs[predicting_rows].double()
+        reference = eager_reference_logprobs(lm, sequences)
+    finally:
+        lm.set_attn_implementation(implementation)
+        lm.train(was_training)
+    err = ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
     if err > tolerance:
-        raise RuntimeError(
-            f"{type(lm).__name__} attends across packed sequences (relative logit error {err:.2e}): "
-            "its attention does not honour position_ids restarts, so it cannot be trained packed"
+        raise UnsupportedModel(
+            f"model type {lm.config.model_type!r} ({type(lm).__name__}): hpsft's packed training path differs "
+            f"from the model's own eager forward on each sequence alone (relative log-prob error {err:.2e} > "
+            f"{tolerance:.0e}), e.g. its attention does not keep packed sequences apart or its forward transforms "
+            "the logits in a way hpsft does not know; refused rather than trained approximately"
         )

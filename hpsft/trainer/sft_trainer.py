@@ -173,32 +173,40 @@ class SFTTrainer:
     # ---- loop --------------------------------------------------------------------------
 
     def validate(self) -> float:
-        """Token-mean loss over the whole validation set (every sequence exactly once)."""
+        """Token-mean NLL over the whole validation set (every sequence exactly once)."""
         indices = list(range(self.rank, len(self.val_dataset), self.world_size))
         chunks = [indices[i:i + self.batch_per_rank] for i in range(0, len(indices), self.batch_per_rank)]
         n_chunks = distributed.all_reduce_max(len(chunks))
-        loss_sum = loss_tokens = 0.0
+        nll_sum = loss_tokens = 0.0
         for i in range(n_chunks):
             batch = collate_jagged([self.val_dataset[j] for j in chunks[i]]) if i < len(chunks) else empty_batch()
             out = self.worker.infer_batch(batch)
-            loss_sum += float(out["loss_sum"].sum())
+            nll_sum += float(out["nll_sum"].sum())
             loss_tokens += float(out["loss_tokens"].sum())
-        loss_sum, loss_tokens = distributed.all_reduce_sum([loss_sum, loss_tokens])
-        return loss_sum / max(loss_tokens, 1.0)
+        nll_sum, loss_tokens = distributed.all_reduce_sum([nll_sum, loss_tokens])
+        return nll_sum / max(loss_tokens, 1.0)
 
     def step_metrics(self, out: dict, step_time: float) -> dict:
-        loss_sum, z_loss_sum, correct, loss_tokens, tokens, computed, flops, peak = distributed.all_reduce_sum(
-            [out["loss_sum"], out["z_loss_sum"], out["correct_tokens"], out["loss_tokens"], out["tokens"],
-             out["computed_tokens"], out["flops"], out["peak_flops"]]
+        sums = distributed.all_reduce_sum(
+            [out["objective_sum"], out["nll_sum"], out["z_loss_sum"], out["router_aux_loss_sum"],
+             out["correct_tokens"], out["loss_tokens"], out["tokens"], out["computed_tokens"], out["flops"],
+             out["peak_flops"]]
         )
+        objective, nll, z_loss, router_aux_loss, correct, loss_tokens, tokens, computed, flops, peak = sums
+        per_token = 1.0 / max(loss_tokens, 1.0)
+        # train/loss is the plain NLL; every other term of the objective has its own name.
         optional = {}
         if self.config.loss.z_loss_weight:
-            optional["train/z_loss"] = z_loss_sum / max(loss_tokens, 1.0)
+            optional["train/z_loss"] = z_loss * per_token
+        if router_aux_loss:
+            optional["train/router_aux_loss"] = router_aux_loss * per_token
+        if abs(objective - nll) > 1e-9 * max(abs(nll), 1.0):  # z-loss, label smoothing or router loss on
+            optional["train/objective"] = objective * per_token
         if self.config.loss.token_accuracy:
-            optional["train/token_accuracy"] = correct / max(loss_tokens, 1.0)
+            optional["train/token_accuracy"] = correct * per_token
         return {
             **optional,
-            "train/loss": loss_sum / max(loss_tokens, 1.0),
+            "train/loss": nll * per_token,
             "train/grad_norm": out["grad_norm"],
             "train/lr": out["lr"],
             "train/loss_tokens": int(loss_tokens),

@@ -14,16 +14,15 @@ from hpsft import distributed
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.engine import DeepSpeedEngine
-from hpsft.models import PackedCausalLM, load_causal_lm, verify_packed_attention, write_hf_folder
+from hpsft.models import PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, write_hf_folder
 from hpsft.perf import flop_counts, measure_matmul_peak, model_flops
 
 
-def token_mean_loss(outputs, global_loss_tokens: int) -> torch.Tensor:
+def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
     """Sum of this micro-batch's token losses over the loss tokens of the whole optimizer
     step (all micro-batches, all ranks): the gradient is then the same whatever the
     data-parallel size, the micro-batch split or the packing."""
-    loss_sum = outputs[0]
-    return loss_sum / max(global_loss_tokens, 1)
+    return outputs["loss"] / max(global_loss_tokens, 1)
 
 
 class TrainingWorker:
@@ -40,7 +39,8 @@ class TrainingWorker:
     def init_model(self) -> None:
         cfg = self.model_config
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code)
-        verify_packed_attention(lm)
+        check_supported(lm, lm.config._attn_implementation)
+        verify_packed_training(lm)
         self.body_params, self.head_params = flop_counts(lm)
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
@@ -81,10 +81,14 @@ class TrainingWorker:
             global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0])
         rows, _ = self.micro_batches(batch)
         result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
+        outputs = result["outputs"]
         return {
-            "loss_sum": sum(float(o[0]) for o in result["outputs"]),
-            "z_loss_sum": sum(float(o[2]) for o in result["outputs"]),
-            "correct_tokens": sum(int(o[3]) for o in result["outputs"]),
+            "objective_sum": sum(float(o["loss"]) for o in outputs),
+            "nll_sum": sum(float(o["nll"]) for o in outputs),
+            "z_loss_sum": sum(float(o["z_loss"]) for o in outputs),
+            # token-weighted over micro-batches, as the objective weighs it
+            "router_aux_loss_sum": sum(float(o["router_aux_loss"]) * int(o["n_tokens"]) for o in outputs),
+            "correct_tokens": sum(int(o["correct"]) for o in outputs),
             "loss_tokens": local_loss_tokens,
             "tokens": sum(lengths),
             "computed_tokens": sum(r["input_ids"].numel() for r in rows),
@@ -97,17 +101,17 @@ class TrainingWorker:
         }
 
     def infer_batch(self, batch) -> dict:
-        """Per-sequence loss sums and loss-token counts (no gradients), in the batch's order."""
+        """Per-sequence NLL sums and loss-token counts (no gradients), in the batch's order."""
         n = batch.batch_size[0]
-        loss_sums = torch.zeros(n, dtype=torch.float64)
+        nll_sums = torch.zeros(n, dtype=torch.float64)
         loss_tokens = torch.zeros(n, dtype=torch.int64)
         rows, bins = self.micro_batches(batch)
         for row, positions in zip(rows, bins):
-            sums, tokens = self.engine.infer_batch([{**row, "per_sequence": True}])[0]
+            out = self.engine.infer_batch([{**row, "per_sequence": True}])[0]
             if positions:  # an empty bin ran a placeholder row only to keep step with other ranks
-                loss_sums[positions] = sums.cpu().double()
-                loss_tokens[positions] = tokens.cpu()
-        return {"loss_sum": loss_sums, "loss_tokens": loss_tokens}
+                nll_sums[positions] = out["nll"].cpu().double()
+                loss_tokens[positions] = out["n_tokens"].cpu()
+        return {"nll_sum": nll_sums, "loss_tokens": loss_tokens}
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         self.engine.save_checkpoint(root, tag)
