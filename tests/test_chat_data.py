@@ -7,6 +7,7 @@ import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.dataset import DataError, SFTDataset, TokenizeOptions, load_or_tokenize
+from hpsft.errors import UserInputError
 from tests.conftest import write_jsonl, write_parquet
 
 CONVERSATION = [
@@ -150,3 +151,17 @@ def test_cache_is_reused_and_keyed_by_contents(tmp_path, tokenizer):
     write_jsonl([{"messages": CONVERSATION[:3]}], tmp_path / "d.jsonl")  # new contents, new entry
     changed = load_or_tokenize([path], tokenizer, options(), cache)
     assert len(list(cache.glob("*.pt"))) == 2 and changed["input_ids"].numel() < first["input_ids"].numel()
+
+
+def test_token_merging_generation_prompt_and_content_stays_unsupervised(tokenizer):
+    # "assistant\n" + "\n\nHello": the tokenizer merges the prompt's newline with the content's
+    # first one; the prompt is tokenized alone at inference, so that token is never a target.
+    ids, mask = tokenize_conversation(tokenizer, [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "\n\nHello"}])
+    assert [tokenizer.decode(ids[a:b]) for a, b in spans(mask)] == ["\nHello<|im_end|>"]
+    assert tokenizer.decode(ids[spans(mask)[0][0] - 1]) == "\n\n"
+
+
+def test_chat_template_that_does_not_compile(tokenizer):
+    with pytest.raises(UserInputError, match="the chat template does not compile: .*line 1"):
+        tokenize_conversation(tokenizer, CONVERSATION, chat_template="{% for m in messages %}{{ m.content }}")

@@ -234,8 +234,8 @@ def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
 
 
 def test_tokens_across_turn_markers_are_refused(tokenizer, model_tokenizers):
-    # Llama 3's markers are not tokens of SmolLM2's vocabulary: "|><" is one token spanning
-    # the end of a turn and the next header, so no mask can be exact.
+    # Llama 3's markers are not tokens of SmolLM2's vocabulary: "><" is one token spanning the
+    # end of "<|eot_id|>" and the start of the next "<|start_header_id|>", so no mask is exact.
     _, template = model_tokenizers["llama3"]
-    with pytest.raises(BadRow, match="straddles the edge of an assistant turn"):
+    with pytest.raises(BadRow, match="token '><' runs past the end of an assistant turn"):
         tokenize_conversation(tokenizer, MULTI_TURN, chat_template=template)

@@ -16,8 +16,8 @@ reasoning) are refused with an error rather than mis-masked. Two cases need more
 - some templates (Phi-3) end a rendering without generation prompt with the eos token;
   that closing belongs to no turn and is cut off prefix renderings before comparing.
 A template that raises on a conversation (e.g. "roles must alternate"), a tool call or
-tool list the template does not write, and a token that straddles a span edge (the
-tokenizer does not split at the template's turn markers) make the row a BadRow.
+tool list the template does not write, and a token that runs past the end of a turn (the
+tokenizer does not split at the template's end-of-turn marker) make the row a BadRow.
 """
 
 import jinja2
@@ -116,10 +116,14 @@ def tokenize_conversation(tokenizer, messages, tools=None, chat_template=None) -
         if span_idx == len(spans):
             break
         span_start, span_end = spans[span_idx]
-        if start < span_start < end or start < span_end < end:
+        # A token that starts before a turn (content that opens with whitespace merging with the
+        # generation prompt's newline) stays unsupervised: the prompt is tokenized on its own at
+        # inference, so the model never emits that token there. One that runs past the end would
+        # teach the model to emit the start of the next turn: no mask is right, so refuse.
+        if start < span_end < end:
             raise BadRow(
-                f"token {text[start:end]!r} straddles the edge of an assistant turn: the tokenizer does not "
-                "split at the chat template's turn markers (does its vocabulary have the template's "
+                f"token {text[start:end]!r} runs past the end of an assistant turn: the tokenizer does not "
+                "split at the chat template's end-of-turn marker (does its vocabulary have the template's "
                 "special tokens?)"
             )
         if span_start <= start:
