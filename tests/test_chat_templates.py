@@ -224,12 +224,21 @@ def test_template_without_tool_support_is_refused(tokenizer):
         tokenize_conversation(tokenizer, MULTI_TURN, tools=WEATHER_TOOLS)
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+CHATML_TURN = "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+
+
+@pytest.mark.parametrize("template, reason", [
     # Writes only the last assistant turn, as reasoning templates drop past reasoning.
-    template = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}"
-                "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    with pytest.raises(BadRow, match="does not render conversation prefixes as prefixes"):
+    ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}" + CHATML_TURN + "{% endif %}{% endfor %}"
+     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+     "does not render conversation prefixes as prefixes"),
+    # The generation prompt changes the text before it, not only appends.
+    ("{{ 'Reply now.\n' if add_generation_prompt else '' }}{% for m in messages %}" + CHATML_TURN + "{% endfor %}"
+     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+     "rendering with the generation prompt does not extend its rendering without it"),
+])
+def test_template_that_rewrites_earlier_text_is_refused(tokenizer, template, reason):
+    with pytest.raises(BadRow, match=reason):
         tokenize_conversation(tokenizer, MULTI_TURN, chat_template=template)
 
 

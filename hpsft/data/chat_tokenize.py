@@ -37,9 +37,9 @@ def closing_text(render, messages, full: str, eos_token: str | None) -> str:
     if eos_token and full.endswith(eos_token) and with_prompt.startswith(full[: -len(eos_token)]):
         return eos_token
     raise BadRow(
-        "the chat template renders the conversation differently with the generation prompt than "
-        "without it plus the prompt, so assistant spans cannot be located; give a template that "
-        "does not (data.chat_template)"
+        "the chat template's rendering with the generation prompt does not extend its rendering "
+        "without it (beyond a closing eos token), so assistant spans cannot be located; give a "
+        "template whose generation prompt only appends (data.chat_template)"
     )
 
 
@@ -54,7 +54,7 @@ def turn_start(render, messages, i: int) -> str:
     return probe[: probe.index(PROBE)]
 
 
-def assistant_char_spans(render, messages, eos_token: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(render, messages, eos_token: str | None) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character spans of the assistant turns.
 
     `render(messages, add_generation_prompt)` returns the template's text.
