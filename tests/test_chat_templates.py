@@ -248,3 +248,18 @@ def test_tokens_across_turn_markers_are_refused(tokenizer, model_tokenizers):
     _, template = model_tokenizers["llama3"]
     with pytest.raises(BadRow, match="token '><' runs past the end of an assistant turn"):
         tokenize_conversation(tokenizer, MULTI_TURN, chat_template=template)
+
+
+def test_data_chat_template_setting_is_used(tmp_path, model_tokenizers):
+    """The trainer's path: `data.chat_template` in the config, rows read and cached by build_dataset."""
+    from hpsft.config.schema import DataConfig
+    from hpsft.trainer.sft_trainer import build_dataset
+
+    tok, template = model_tokenizers["gemma"]
+    path = write_jsonl([{"messages": MULTI_TURN}], tmp_path / "chats.jsonl")
+    config = DataConfig(train_files=[path], val_files=[], chat_template=template, cache_dir=str(tmp_path / "cache"))
+    item = build_dataset([path], tok, config)[0]
+    assert tok.decode(item["input_ids"]).startswith("<bos><start_of_turn>user\nWhat is the capital of France?")
+    assert tok.decode(item["input_ids"][item["loss_mask"]]) == (
+        "Paris.<end_of_turn>Rome.\nIt has been the capital since 1871.<end_of_turn>"
+    )
