@@ -213,6 +213,15 @@ def test_raising_template_names_the_row_and_can_be_skipped(tmp_path, model_token
     assert data["skipped_rows"] == 1 and data["offsets"].numel() == 3
 
 
+def test_template_expecting_string_arguments_is_refused(tokenizer):
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + (m.content or '') }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name + ' ' + c.function.arguments }}{% endfor %}"
+                "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    with pytest.raises(BadRow, match=r"the chat template failed on the conversation: can only concatenate str "
+                                     r"\(not \"dict\"\) to str \(tool-call arguments reach it as JSON objects\)"):
+        tokenize_conversation(tokenizer, TOOL_CONVERSATION, chat_template=template)
+
+
 def test_template_without_tool_support_is_refused(tokenizer):
     # SmolLM2's ChatML template writes only role and content: the call would be trained as an empty turn.
     with_content = [dict(m, content="") if m.get("tool_calls") else m for m in TOOL_CONVERSATION]

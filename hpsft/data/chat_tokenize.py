@@ -100,6 +100,11 @@ def tokenize_conversation(tokenizer, messages, tools=None, chat_template=None) -
             raise UserInputError(f"the chat template does not compile: {err} (line {err.lineno})") from None
         except jinja2.TemplateError as err:
             raise BadRow(f"the chat template refused the conversation: {err}") from None
+        except TypeError as err:
+            # A template that joins values of the wrong type, e.g. concatenates tool-call arguments
+            # as a string: they are passed as JSON objects, as Hugging Face's templates expect.
+            raise BadRow(f"the chat template failed on the conversation: {err} (tool-call arguments "
+                         "reach it as JSON objects)") from None
 
     text, spans = assistant_char_spans(render, messages, tokenizer.eos_token)
     for tool in tools or ():
