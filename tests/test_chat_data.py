@@ -7,6 +7,7 @@ import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.dataset import DataError, SFTDataset, TokenizeOptions, load_or_tokenize
+from hpsft.errors import UserInputError
 from tests.conftest import write_jsonl, write_parquet
 
 CONVERSATION = [
@@ -89,6 +90,11 @@ def test_truncation_policies(tmp_path, tokenizer):
     assert torch.equal(left["loss_mask"], full["loss_mask"][-64:])
 
 
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+ANSWER = [{"role": "assistant", "content": "Sunny."}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
 @pytest.mark.parametrize(
     "row, message",
     [
@@ -98,6 +104,24 @@ def test_truncation_policies(tmp_path, tokenizer):
         ({"messages": [{"role": "user", "content": 3}]}, "content must be a string"),
         ({"messages": [{"role": "user"}]}, "must have 'role' and 'content'"),
         ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}, *ANSWER]},
+         "message 0 has tool_calls but role 'user'"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": {"function": CALL["function"]}}]},
+         "message 1 tool_calls must be a list"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{"name": "f", "arguments": "{}"}]}]},
+         "message 1 tool call 0 must be {'type': 'function', 'function': {'name', 'arguments'}}"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [dict(CALL, type="code")]}]},
+         "message 1 tool call 0 has type 'code': only 'function' calls are supported"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{city"}}]}]},
+         "message 1 tool call 0 (f) arguments are not valid JSON"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
+         "message 1 tool call 0 (f) arguments must be a JSON object (or a string holding one), got list"),
+        ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]},
+         "message 1 tool call 0 has no function name"),
+        ({"messages": [*QUESTION, {"role": "tool", "tool_call_id": 7, "content": "{}"}, *ANSWER]},
+         "message 1 tool_call_id must be a string, got int"),
+        ({"messages": [*QUESTION, *ANSWER], "tools": "[{broken"}, "tools are not valid JSON"),
+        ({"messages": [*QUESTION, *ANSWER], "tools": [{"name": "f"}]}, "tools must be a list of {'type': 'function'"),
     ],
 )
 def test_bad_row_names_file_and_row(tmp_path, tokenizer, row, message):
@@ -127,3 +151,17 @@ def test_cache_is_reused_and_keyed_by_contents(tmp_path, tokenizer):
     write_jsonl([{"messages": CONVERSATION[:3]}], tmp_path / "d.jsonl")  # new contents, new entry
     changed = load_or_tokenize([path], tokenizer, options(), cache)
     assert len(list(cache.glob("*.pt"))) == 2 and changed["input_ids"].numel() < first["input_ids"].numel()
+
+
+def test_token_merging_generation_prompt_and_content_stays_unsupervised(tokenizer):
+    # "assistant\n" + "\n\nHello": the tokenizer merges the prompt's newline with the content's
+    # first one; the prompt is tokenized alone at inference, so that token is never a target.
+    ids, mask = tokenize_conversation(tokenizer, [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": "\n\nHello"}])
+    assert [tokenizer.decode(ids[a:b]) for a, b in spans(mask)] == ["\nHello<|im_end|>"]
+    assert tokenizer.decode(ids[spans(mask)[0][0] - 1]) == "\n\n"
+
+
+def test_chat_template_that_does_not_compile(tokenizer):
+    with pytest.raises(UserInputError, match="the chat template does not compile: .*line 1"):
+        tokenize_conversation(tokenizer, CONVERSATION, chat_template="{% for m in messages %}{{ m.content }}")

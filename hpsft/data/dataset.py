@@ -16,7 +16,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from hpsft.data.chat_tokenize import BadRow, tokenize_conversation
+from hpsft.data import chat_messages, chat_tokenize
+from hpsft.data.chat_messages import BadRow
+from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.errors import UserInputError
 
 
@@ -40,15 +42,31 @@ class TokenizeOptions:
         return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
 
 
+def drop_nulls(value):
+    """`value` without the None-valued keys of its dicts, at any depth."""
+    if isinstance(value, dict):
+        return {key: drop_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [drop_nulls(item) for item in value]
+    return value
+
+
 def read_rows(path: Path):
-    """Yield the rows of a parquet or jsonl file as dicts."""
+    """Yield the rows of a parquet or jsonl file as dicts.
+
+    Parquet stores a column of dicts as one struct type holding every key seen in the column,
+    so a key a row lacks comes back as None (`tool_calls` on a user message, the argument names
+    of other rows' tool calls, other tools' parameters): such Nones are dropped, giving back the
+    rows as written. A null you mean to keep (in tool arguments or schemas) must be stored in a
+    JSON string.
+    """
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         table = pq.read_table(path)
         for batch in table.to_batches():
-            yield from batch.to_pylist()
+            yield from (drop_nulls(row) for row in batch.to_pylist())
     elif suffix in (".jsonl", ".json"):
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f):
@@ -65,7 +83,7 @@ def read_rows(path: Path):
 def row_to_messages(row: dict, opts: TokenizeOptions):
     if not isinstance(row, dict):
         raise BadRow(f"row must be an object, got {type(row).__name__}")
-    if opts.messages_key in row and row[opts.messages_key] is not None:
+    if row.get(opts.messages_key) is not None:
         return row[opts.messages_key], row.get(opts.tools_key)
     if opts.prompt_key in row and opts.response_key in row:
         prompt, response = row[opts.prompt_key], row[opts.response_key]
@@ -94,11 +112,9 @@ def tokenize_files(files: list[Path], tokenizer, opts: TokenizeOptions) -> dict:
         for row_idx, row in enumerate(read_rows(path)):
             try:
                 messages, tools = row_to_messages(row, opts)
-                if isinstance(tools, str):
-                    tools = json.loads(tools)
                 ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
                 ids, mask = truncate(ids, mask, opts)
-            except (BadRow, json.JSONDecodeError) as err:
+            except BadRow as err:
                 if opts.bad_rows == "skip":
                     skipped += 1
                     continue
@@ -129,6 +145,10 @@ def cache_key(files: list[Path], tokenizer, opts: TokenizeOptions) -> str:
     h.update(str(tokenizer.name_or_path).encode())
     h.update(str(len(tokenizer)).encode())
     h.update(str(tokenizer.chat_template).encode())
+    # The rules that turn rows into tokens and masks are part of the result: a cache written
+    # under other rules must not be reused.
+    for module in (chat_messages, chat_tokenize):
+        h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:24]
 
 
