@@ -35,6 +35,7 @@ FAMILIES = {
                                                     sliding_window=WINDOW, sliding_window_pattern=2,
                                                     final_logit_softcapping=3.0, query_pre_attn_scalar=24),
     "phi3": lambda: transformers.Phi3Config(**SMALL, sliding_window=WINDOW),
+    "phi": lambda: transformers.PhiConfig(**SMALL),  # an LM-head bias, partial rotary, parallel blocks
     "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2),  # a layer without RoPE
     "cohere": lambda: transformers.CohereConfig(**SMALL, logit_scale=0.5),
     "granite": lambda: transformers.GraniteConfig(**SMALL, logits_scaling=4.0),
