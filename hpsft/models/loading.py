@@ -1,6 +1,7 @@
 """Load a Hugging Face model folder, failing early with a message that says what to fix."""
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -12,20 +13,41 @@ from hpsft.errors import UserInputError
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
 
-def check_model_path(path: str) -> Path:
+def check_model_path(path: str, trust_remote_code: bool) -> Path:
     p = Path(path)
     if not (p / "config.json").is_file():
         raise UserInputError(
             f"model.path={path}: no Hugging Face model folder there (config.json missing); "
             "run `make model` for the default or point model.path at a folder"
         )
+    if not trust_remote_code:
+        check_no_remote_code(p)
     return p
+
+
+def check_no_remote_code(folder: Path) -> None:
+    """Refuse a folder whose model or tokenizer is Python code shipped with it (`auto_map`),
+    before transformers gets to ask (it would prompt, or fail with a message about itself)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            auto_map = json.loads(file.read_text()).get("auto_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+            raise UserInputError(f"{file} is not a JSON object: {err}") from None
+        if auto_map:
+            raise UserInputError(
+                f"model.path={folder}: {name} asks for code shipped with the model ({sorted(auto_map)}); hpsft "
+                "does not run it unless model.trust_remote_code=true, which executes that folder's Python files "
+                "with your permissions: set it only for a source you trust"
+            )
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(check_model_path(path), trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(check_model_path(path, trust_remote_code), trust_remote_code=trust_remote_code)
 
 
 def flash_attn_available() -> bool:
@@ -50,7 +72,7 @@ def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkp
 
     attn_implementation = resolve_attn_implementation(attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
-        check_model_path(path), dtype=torch.float32, attn_implementation=attn_implementation,
+        check_model_path(path, trust_remote_code), dtype=torch.float32, attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
     model.config.use_cache = False  # a KV cache is useless in training and breaks packing (see PackedCausalLM)
