@@ -259,16 +259,27 @@ def test_tokens_across_turn_markers_are_refused(tokenizer, model_tokenizers):
         tokenize_conversation(tokenizer, MULTI_TURN, chat_template=template)
 
 
-def test_data_chat_template_setting_is_used(tmp_path, model_tokenizers):
-    """The trainer's path: `data.chat_template` in the config, rows read and cached by build_dataset."""
+@pytest.mark.parametrize("as_file", [False, True])
+def test_data_chat_template_setting_is_used(tmp_path, model_tokenizers, as_file):
+    """The trainer's path: `data.chat_template` in the config (the text, or a file's path),
+    rows read and cached by build_dataset."""
     from hpsft.config.schema import DataConfig
     from hpsft.trainer.sft_trainer import build_dataset
 
     tok, template = model_tokenizers["gemma"]
+    setting = str(TEMPLATES / "gemma.jinja") if as_file else template
     path = write_jsonl([{"messages": MULTI_TURN}], tmp_path / "chats.jsonl")
-    config = DataConfig(train_files=[path], val_files=[], chat_template=template, cache_dir=str(tmp_path / "cache"))
+    config = DataConfig(train_files=[path], val_files=[], chat_template=setting, cache_dir=str(tmp_path / "cache"))
     item = build_dataset([path], tok, config)[0]
     assert tok.decode(item["input_ids"]).startswith("<bos><start_of_turn>user\nWhat is the capital of France?")
     assert tok.decode(item["input_ids"][item["loss_mask"]]) == (
         "Paris.<end_of_turn>Rome.\nIt has been the capital since 1871.<end_of_turn>"
     )
+
+
+def test_a_chat_template_setting_that_is_neither_text_nor_a_file_is_refused():
+    from hpsft.data.dataset import chat_template_text
+    from hpsft.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="data.chat_template='templates/missing.jinja' is neither a Jinja"):
+        chat_template_text("templates/missing.jinja")

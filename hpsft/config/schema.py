@@ -56,7 +56,7 @@ class DataConfig:
     prompt_key: str = "prompt"  # single-turn rows, used when a row has no messages_key
     response_key: str = "response"
     tools_key: str = "tools"  # optional per-row tool schemas passed to the chat template
-    chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's
+    chat_template: Optional[str] = None  # Jinja text or a .jinja file path, overriding the tokenizer's
     max_length: int = 1024
     truncation: str = "error"  # error | left | right
     bad_rows: str = "error"  # error | skip (skipped rows are counted and reported)

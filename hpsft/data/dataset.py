@@ -39,7 +39,20 @@ class TokenizeOptions:
 
     @classmethod
     def from_data_config(cls, cfg) -> "TokenizeOptions":
-        return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
+        fields = {name: getattr(cfg, name) for name in cls.__dataclass_fields__}
+        return cls(**{**fields, "chat_template": chat_template_text(cfg.chat_template)})
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """data.chat_template is Jinja text, or the path of a file holding it (a value with no
+    Jinja tag in it): read only from the path the config names."""
+    if value is None or "{%" in value or "{{" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise UserInputError(f"data.chat_template={value!r} is neither a Jinja template (no '{{%' or '{{{{' in it) "
+                             "nor an existing template file")
+    return path.read_text(encoding="utf-8")
 
 
 def drop_nulls(value):

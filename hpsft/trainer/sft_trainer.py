@@ -18,7 +18,7 @@ from tqdm import tqdm
 from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
-from hpsft.data.dataset import SFTDataset, TokenizeOptions, load_or_tokenize
+from hpsft.data.dataset import SFTDataset, TokenizeOptions, chat_template_text, load_or_tokenize
 from hpsft.errors import UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
@@ -67,8 +67,8 @@ class SFTTrainer:
         self.batch_per_rank = data.train_batch_size // self.world_size
 
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-        if data.chat_template is not None:
-            self.tokenizer.chat_template = data.chat_template
+        if data.chat_template is not None:  # also what the exported tokenizer carries
+            self.tokenizer.chat_template = chat_template_text(data.chat_template)
         self.train_dataset = build_dataset(data.train_files, self.tokenizer, data)
         self.val_dataset = build_dataset(data.val_files, self.tokenizer, data) if data.val_files else None
         self.train_loader = self.build_train_loader()
