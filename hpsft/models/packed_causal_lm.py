@@ -98,13 +98,17 @@ class PackedCausalLM(nn.Module):
     def count_correct(self, hidden, input_ids, offsets, loss_mask, chunk: int = 2048) -> int:
         """Loss tokens whose argmax prediction is right. The fused loss never forms logits, so
         this re-runs the LM head (no grad, chunked) on the loss positions: only when asked.
-        Soft-capping is monotonic, so the argmax of the raw head output is the model's."""
+        Soft-capping is monotonic, so the argmax of the raw head output is the model's.
+        The head's weight is used as a tensor, not called as a module: under ZeRO-3 a module
+        call gathers the weight, and a number of calls that depends on this rank's data would
+        leave the other ranks waiting in a collective."""
         head = self.lm.get_output_embeddings()
         targets = torch.nonzero(target_mask(loss_mask.bool(), offsets), as_tuple=True)[0]
         correct = 0
         for start in range(0, targets.numel(), chunk):
             t = targets[start:start + chunk]
-            correct += int((head(hidden[t - 1]).argmax(-1) == input_ids[t]).sum())
+            logits = torch.nn.functional.linear(hidden[t - 1], head.weight, getattr(head, "bias", None))
+            correct += int((logits.argmax(-1) == input_ids[t]).sum())
         return correct
 
     def logits(self, input_ids, position_ids, offsets):
