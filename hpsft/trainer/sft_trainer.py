@@ -200,7 +200,7 @@ class SFTTrainer:
             optional["train/z_loss"] = z_loss * per_token
         if router_aux_loss:
             optional["train/router_aux_loss"] = router_aux_loss * per_token
-        if abs(objective - nll) > 1e-9 * max(abs(nll), 1.0):  # z-loss, label smoothing or router loss on
+        if self.config.loss.z_loss_weight or self.config.loss.label_smoothing or router_aux_loss:
             optional["train/objective"] = objective * per_token
         if self.config.loss.token_accuracy:
             optional["train/token_accuracy"] = correct * per_token

@@ -1,0 +1,88 @@
+"""scripts/train_torchrun.sh as users run it: two nodes simulated by two torchrun processes
+meeting at a c10d rendezvous on 127.0.0.1, and --max-restarts after a rank is killed. Both
+must reproduce a one-node 2-rank run's losses step by step."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from hpsft.distributed import free_port
+from tests.conftest import REPO, base_overrides, read_metrics, train_env
+
+SCRIPT = REPO / "scripts" / "train_torchrun.sh"
+STEPS = 4
+
+
+def launch(args: list[str], **env) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SCRIPT), *args], cwd=REPO, env={**train_env(), "PYTHON": sys.executable, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
+    output, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def losses(run_dir) -> dict[int, float]:
+    """train/loss per step (a step re-run after a restart: its last record)."""
+    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+def assert_same_losses(ours: dict, reference: dict) -> None:
+    assert sorted(ours) == sorted(reference) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert abs(ours[step] - loss) <= 1e-5 * loss, (step, ours[step], loss)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, model_path, chat_rows):
+    from tests.conftest import write_parquet
+
+    data = tmp_path_factory.mktemp("data")
+    train = write_parquet([{"messages": c} for c in chat_rows[:32]], data / "train.parquet")
+
+    def overrides(out_dir):
+        return base_overrides(model_path, train, None, out_dir, **{
+            "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.export_hf": "false"})
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def one_node_losses(tmp_path_factory, config):
+    out_dir = tmp_path_factory.mktemp("one-node") / "run"
+    finish(launch(config(out_dir), NPROC="2"))
+    return losses(out_dir)
+
+
+def test_two_nodes_meeting_at_a_c10d_rendezvous_match_one_node(tmp_path, config, one_node_losses):
+    out_dir = tmp_path / "run"
+    env = {"NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "test-2-nodes"}
+    nodes = [launch(config(out_dir), **env) for _ in range(2)]
+    for node in nodes:
+        finish(node)
+    assert_same_losses(losses(out_dir), one_node_losses)
+
+
+def test_max_restarts_resumes_from_the_last_checkpoint_after_a_rank_is_killed(tmp_path, config, one_node_losses):
+    out_dir = tmp_path / "run"
+    agent = launch(config(out_dir), NPROC="2", MAX_RESTARTS="1")
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert agent.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
+        time.sleep(0.5)
+    ranks = [p for p in psutil.Process(agent.pid).children(recursive=True) if "hpsft.train" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    os.kill(ranks[-1].pid, signal.SIGKILL)
+    output = finish(agent)
+    resumed = [line for line in output.splitlines() if line.startswith("resumed from ")]
+    assert len(resumed) == 1, output[-4000:]
+    resume_step = int(resumed[0].rsplit(" ", 1)[-1])
+    assert 1 <= resume_step < STEPS, resumed
+    assert_same_losses(losses(out_dir), one_node_losses)
