@@ -2,6 +2,7 @@ import pytest
 
 from hpsft.config import ConfigError, load_config, to_yaml
 from hpsft.config.schema import SFTConfig
+from tests.conftest import REPO
 
 
 def test_defaults_overrides_and_yaml_file(tmp_path):
@@ -47,3 +48,11 @@ def test_bad_config_names_the_key(override, message):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_validation_files_come_only_with_their_data():
+    # Overriding the training data must not keep validating on the demo's split.
+    assert load_config(None, ["data.train_files=[mine.parquet]"]).data.val_files == []
+    demo = load_config(REPO / "configs" / "sft.yaml")
+    assert demo.data.train_files == [".cache/data/chatterbot/train.parquet"]
+    assert demo.data.val_files == [".cache/data/chatterbot/val.parquet"]

@@ -51,7 +51,9 @@ class LossConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: [".cache/data/chatterbot/train.parquet"])
-    val_files: list[str] = field(default_factory=lambda: [".cache/data/chatterbot/val.parquet"])
+    # None by default: a validation split belongs to its training data (configs/sft.yaml names
+    # the demo's); a default would silently validate other data on the demo's split.
+    val_files: list[str] = field(default_factory=list)
     messages_key: str = "messages"  # multi-turn chat rows (OpenAI style)
     prompt_key: str = "prompt"  # single-turn rows, used when a row has no messages_key
     response_key: str = "response"
