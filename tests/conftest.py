@@ -64,6 +64,9 @@ def train_env() -> dict:
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     env["TOKENIZERS_PARALLELISM"] = "false"
+    # A script's own folder comes first on its sys.path, not the cwd: without this, scripts
+    # would import the hpsft the virtualenv has installed (maybe another checkout's).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
     return env
 
