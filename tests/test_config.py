@@ -35,12 +35,13 @@ def test_config_is_frozen():
         ("engine.zero_stage=5", "engine.zero_stage=5 is not one of [0, 1, 2, 3]"),
         ("data.truncation=middle", "data.truncation='middle' is not one of ['error', 'left', 'right']"),
         ("engine.offload_params=true", "engine.offload_params needs engine.zero_stage=3"),
+        ("engine.dtype=bfloat16 engine.zero_stage=0", "engine.dtype=bfloat16 needs engine.zero_stage >= 1"),
         ("optim", "override 'optim' is not of the form key=value"),
     ],
 )
 def test_bad_config_names_the_key(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 

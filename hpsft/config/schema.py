@@ -94,6 +94,12 @@ class EngineConfig:
             raise ValueError("engine.offload_params needs engine.zero_stage=3")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("engine.offload_optimizer needs engine.zero_stage >= 1")
+        if self.dtype == "bfloat16" and self.zero_stage == 0:
+            # DeepSpeed 0.19.8 without ZeRO: fp32 accumulation raises NotImplementedError, and
+            # its default sums the micro-batches' and ranks' gradients in bf16 (docs/precision.md).
+            raise ValueError("engine.dtype=bfloat16 needs engine.zero_stage >= 1: without ZeRO, DeepSpeed "
+                             "accumulates and all-reduces bf16 gradients in bf16, not fp32 "
+                             "(engine.zero_stage=1 keeps the same bf16 weights on every rank)")
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ class DeepSpeedEngine(TrainEngine):
             "gradient_clipping": self.optim.grad_clip,
             "zero_optimization": zero,
             "bf16": {"enabled": self.config.dtype == "bfloat16"},
+            # bf16 weights and activations, but gradients accumulated over micro-batches and
+            # reduced over ranks in fp32 into fp32 master weights (DeepSpeed's default would do
+            # both in bf16); docs/precision.md has what each ZeRO stage does with these.
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "communication_data_type": "fp32",
             # We pass a torch AdamW: no JIT-built fused/cpu Adam op is needed on CPU machines.
             "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,
