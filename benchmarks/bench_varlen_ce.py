@@ -6,12 +6,18 @@ the RSS high-water mark is reset (/proc/self/clear_refs), then the measured fwd+
 top of its inputs (logits, softmax, gradients, including d(weight) and d(hidden), which
 every method produces). Time is the median fwd+bwd wall time over --repeats runs.
 
+Before a time is printed, every method's loss and gradients are cross-checked against an
+fp64 reference computed in its own process from the same inputs (online log-sum-exp over
+row and vocabulary blocks, so it never holds the logits or an fp64 weight): the loss, the
+d(hidden) rows of 8 sampled supervised tokens and the d(weight) rows of 8 sampled
+vocabulary entries (4 of them labels). A method that disagrees is reported, not timed.
+
 --device cuda: bf16 inputs (what a GPU trainer feeds the LM head), time between
 torch.cuda.synchronize() calls, peak extra = torch.cuda.max_memory_allocated() after
 reset_peak_memory_stats() minus memory_allocated() before the measured runs. Adds rows for
 hpsft's Triton kernel and for Liger-Kernel's fused linear cross-entropy (when installed),
-and an achieved TFLOP/s column counting 8*N*H*V FLOPs (N supervised tokens) with its
-fraction of --peak-tflops.
+and an achieved TFLOP/s column counting 6*N*H*V FLOPs (N supervised tokens: the three
+GEMMs, logits, d(hidden) and d(weight), of 2*N*H*V each) with its fraction of --peak-tflops.
 
     .venv/bin/python benchmarks/bench_varlen_ce.py            # the table in docs/ops.md
     .venv/bin/python benchmarks/bench_varlen_ce.py --quick    # small shapes, seconds
@@ -107,9 +113,81 @@ def loss_fn(method, hidden, weight, input_ids, offsets, loss_mask, labels):
     return F.linear_cross_entropy(hidden, weight, labels, reduction="sum", ignore_index=-100, options=options), "torch"
 
 
+PROBES = 8  # sampled rows of d(hidden) and of d(weight) in the cross-check
+
+
+def probe_indices(labels, vocab_size):
+    """(token rows, vocabulary rows) whose gradients are cross-checked: supervised tokens, and
+    vocabulary entries half of which are their labels (rows with a large gradient)."""
+    gen = torch.Generator().manual_seed(1)
+    supervised = (labels.cpu() != -100).nonzero().squeeze(1)
+    rows = supervised[torch.randperm(len(supervised), generator=gen)[:PROBES]]
+    vocab = torch.cat([labels.cpu()[rows[: PROBES // 2]], torch.randint(0, vocab_size, (PROBES - PROBES // 2,), generator=gen)])
+    return rows, vocab
+
+
+def probe(loss, grad_hidden, grad_weight, labels):
+    rows, vocab = probe_indices(labels, grad_weight.shape[0])
+    return {
+        "loss": float(loss),
+        "grad_hidden": grad_hidden[rows.to(grad_hidden.device)].double().cpu().tolist(),
+        "grad_weight": grad_weight[vocab.to(grad_weight.device)].double().cpu().tolist(),
+    }
+
+
+def reference_probe(hidden, weight, labels, row_block=1024, vocab_block=8192):
+    """The probe in fp64, from the definition: loss = sum over supervised rows of lse - z_y,
+    d z = softmax - onehot. Blocks keep memory small (an fp64 copy of a 128k x 4096 weight is 4 GiB)."""
+    rows_all = (labels != -100).nonzero().squeeze(1)
+    x, y = hidden.detach()[rows_all], labels[rows_all]
+    w = weight.detach()
+    lse = torch.empty(len(rows_all), dtype=torch.float64, device=x.device)
+    for r in range(0, len(rows_all), row_block):
+        xs = x[r : r + row_block].double()
+        running = torch.full((len(xs),), float("-inf"), dtype=torch.float64, device=x.device)
+        for v in range(0, w.shape[0], vocab_block):
+            running = torch.logaddexp(running, torch.logsumexp(xs @ w[v : v + vocab_block].double().t(), dim=1))
+        lse[r : r + row_block] = running
+    target = (x.double() * w[y].double()).sum(dim=1)
+    probe_rows, probe_vocab = probe_indices(labels, w.shape[0])
+    # d(hidden) of a probed token: (softmax - onehot) @ W over the whole vocabulary.
+    position = {t: i for i, t in enumerate(rows_all.tolist())}
+    probed = torch.tensor([position[t] for t in probe_rows.tolist()], device=x.device)
+    xp, lse_p = x[probed].double(), lse[probed]
+    grad_hidden = -w[y[probed]].double()
+    for v in range(0, w.shape[0], vocab_block):
+        wb = w[v : v + vocab_block].double()
+        grad_hidden += torch.exp(xp @ wb.t() - lse_p[:, None]) @ wb
+    # d(weight) of a probed vocabulary row v: sum over tokens of (p_tv - [y_t == v]) x_t.
+    wv = w[probe_vocab.to(w.device)].double()
+    grad_weight = torch.zeros_like(wv)
+    for r in range(0, len(rows_all), row_block):
+        xs = x[r : r + row_block].double()
+        dz = torch.exp(xs @ wv.t() - lse[r : r + row_block, None]) - (y[r : r + row_block, None] == probe_vocab.to(y.device)).double()
+        grad_weight += dz.t() @ xs
+    return {"loss": float((lse - target).sum()), "grad_hidden": grad_hidden.cpu().tolist(),
+            "grad_weight": grad_weight.cpu().tolist()}
+
+
+def cross_check(result, reference, device):
+    """None when the method's probe agrees with the fp64 reference, else what differs."""
+    # fp32 on CPU (seen: ~1e-7 relative on the loss, ~1e-5 of the scale on gradients); on GPU
+    # the methods return bf16 gradients (step 2^-8) of bf16 inputs.
+    rtol = 1e-4 if device == "cpu" else 3e-2
+    for key in ("loss", "grad_hidden", "grad_weight"):
+        actual, expected = torch.tensor(result["check"][key]), torch.tensor(reference[key])
+        scale = expected.abs().max().item()
+        if not torch.allclose(actual, expected, rtol=rtol, atol=rtol * scale):
+            worst = (actual - expected).abs().max().item()
+            return f"{key} differs from the fp64 reference by {worst:.3g} (scale {scale:.3g}, rtol {rtol:g})"
+    return None
+
+
 def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats, device="cpu"):
     inputs = make_inputs(hidden_size, vocab_size, tokens, fraction, device=device)
     hidden, weight = inputs[:2]
+    if method == "reference":
+        return reference_probe(hidden, weight, inputs[5])
     on_gpu = device != "cpu"
     # GPU work is asynchronous: the clock is read between synchronisations (on CPU: no-op).
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -143,6 +221,7 @@ def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats, device="
     else:
         peak_extra_mib = (rss_kib("VmHWM") - before) / 1024
     return {
+        "check": probe(loss, hidden.grad, weight.grad, inputs[5]),  # gradients of the last measured step
         "time_s": statistics.median(wall),
         "cpu_s": statistics.median(cpu),  # all threads; less sensitive than wall time to other load
         "peak_extra_mib": peak_extra_mib,
@@ -158,6 +237,25 @@ def run_isolated(method, case, repeats, device="cpu"):
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr else f"exit {result.returncode}"}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def checked_results(methods, case, repeats, device, missing=None):
+    """Each method's result, replaced by an error when it fails the cross-check (or the
+    reference cannot be computed): no time is printed for a result that is not checked."""
+    reference = run_isolated("reference", case, repeats, device)
+    results = {}
+    for method in methods:
+        if missing and missing.get(method):
+            results[method] = {"error": missing[method]}
+            continue
+        result = run_isolated(method, case, repeats, device)
+        if "error" not in result:
+            mismatch = reference.get("error") and f"no fp64 reference: {reference['error']}"
+            mismatch = mismatch or cross_check(result, reference, device)
+            if mismatch:
+                result = {"error": f"cross-check failed, not timed: {mismatch}"}
+        results[method] = result
+    return results
 
 
 def main():
@@ -179,7 +277,8 @@ def main():
     if args.device == "cuda":
         gpu_main(args)
         return
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, fwd+bwd, reduction sum")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, fwd+bwd, reduction sum; "
+          "every row cross-checked against an fp64 reference before it is timed")
     print("F.linear_cross_entropy: " + ("present" if hasattr(F, "linear_cross_entropy") else "absent in this torch"))
     header = (
         "| H | V | tokens | supervised | method | wall s | CPU s | peak extra MiB "
@@ -189,7 +288,7 @@ def main():
     print("|---" * (header.count("|") - 1) + "|")
     cases = [(int(h), int(v), int(t), f) for h, v, t, f in args.case] if args.case else QUICK_CASES if args.quick else FULL_CASES
     for case in cases:
-        results = {method: run_isolated(method, case, args.repeats) for method in METHODS}
+        results = checked_results(METHODS, case, args.repeats, "cpu")
         base = results["materialised"]
         for method, result in results.items():
             h, v, tokens, fraction = case
@@ -209,7 +308,7 @@ def main():
 
 
 def gpu_main(args):
-    """The GPU table: like the CPU one, plus TFLOP/s (8*N*H*V FLOPs, N supervised tokens)."""
+    """The GPU table: like the CPU one, plus TFLOP/s (6*N*H*V FLOPs, N supervised tokens)."""
     if not torch.cuda.is_available():
         sys.exit("--device cuda: torch.cuda.is_available() is False")
     has_liger = importlib.util.find_spec("liger_kernel") is not None
@@ -229,7 +328,7 @@ def gpu_main(args):
     target = None
     for case in cases:
         h, v, tokens, fraction = case
-        results = {m: {"error": missing[m]} if missing.get(m) else run_isolated(m, case, args.repeats, "cuda") for m in methods}
+        results = checked_results(methods, case, args.repeats, "cuda", missing)
         base = results["materialised"]
         for method, result in results.items():
             prefix = f"| {h} | {v} | {tokens} | {fraction:.2f} | {methods[method]}"
@@ -237,7 +336,7 @@ def gpu_main(args):
                 print(f"{prefix} | {result['error']} | | | | | |")
                 continue
             name = f"{prefix} [{result['backend']}]" if method.startswith("hpsft") else prefix
-            tflops = 8 * result["n_supervised"] * h * v / result["time_s"] / 1e12
+            tflops = 6 * result["n_supervised"] * h * v / result["time_s"] / 1e12  # three GEMMs of 2NHV
             of_peak = tflops / args.peak_tflops
             ratios = " | "
             if "error" not in base:

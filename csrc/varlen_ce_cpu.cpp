@@ -10,12 +10,21 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace {
+
+// std::bit_cast is C++20, and older torch versions (pyproject allows >= 2.6) build extensions
+// as C++17: the sources stay C++17 (tests/ops/test_cuda_sources_compile.py checks it).
+// A 4-byte memcpy compiles to a register move and still vectorises.
+inline float float_from_bits(int32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
 
 // 2048 floats (8 KiB) of a row stay in L1 between the max and the sum-of-exp sweeps.
 constexpr int64_t kVocabChunk = 2048;
@@ -35,7 +44,7 @@ inline float exp_of(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);  // p * 2^n
+  return p * float_from_bits((static_cast<int32_t>(n) + 127) << 23);  // p * 2^n
 }
 inline double exp_of(double x) { return std::exp(x); }
 
@@ -65,7 +74,8 @@ RowResult<scalar_t> cross_entropy_row(scalar_t* z, int64_t vocab, int64_t label,
     for (int64_t j = 0; j < vocab; ++j) z[j] = cap * tanh_of(z[j] / cap);
   }
   // Online log-sum-exp: each chunk is reduced against its own max, then merged.
-  scalar_t running_max = -std::numeric_limits<scalar_t>::infinity();
+  constexpr scalar_t kMinusInf = -std::numeric_limits<scalar_t>::infinity();
+  scalar_t running_max = kMinusInf;
   scalar_t running_sum = 0;
   double logit_sum = 0;  // fp64 across chunks: the mean logit is compared with lse below
   for (int64_t begin = 0; begin < vocab; begin += kVocabChunk) {
@@ -73,6 +83,12 @@ RowResult<scalar_t> cross_entropy_row(scalar_t* z, int64_t vocab, int64_t label,
     scalar_t chunk_max = z[begin];
 #pragma omp simd reduction(max : chunk_max)
     for (int64_t j = begin; j < end; ++j) chunk_max = chunk_max > z[j] ? chunk_max : z[j];
+    if (chunk_max == kMinusInf) {
+      // A fully masked chunk (every logit -inf) adds nothing to the sum of exp, and
+      // z - chunk_max would be -inf - -inf = NaN.
+      logit_sum = kMinusInf;
+      continue;
+    }
     // Within a chunk, sums of z - chunk_max stay small whatever the common logit offset.
     scalar_t chunk_sum = 0, chunk_shifted_sum = 0;
 #pragma omp simd reduction(+ : chunk_sum, chunk_shifted_sum)
@@ -94,8 +110,11 @@ RowResult<scalar_t> cross_entropy_row(scalar_t* z, int64_t vocab, int64_t label,
   const scalar_t zloss = lam * lse * lse;
   const scalar_t mean_logit = static_cast<scalar_t>(logit_sum / static_cast<double>(vocab));
   // Written as differences against lse: with a large common logit offset, lse - target and
-  // lse - mean_logit are small numbers and must not be formed from large ones.
-  const scalar_t loss = (1 - eps) * (lse - target) + eps * (lse - mean_logit) + zloss;
+  // lse - mean_logit are small numbers and must not be formed from large ones. Without
+  // smoothing the mean term is left out, not multiplied by 0: a -inf logit (a masked
+  // vocabulary entry) makes it infinite, and 0 * inf is NaN.
+  const scalar_t smoothing_term = eps > 0 ? eps * (lse - mean_logit) : scalar_t(0);
+  const scalar_t loss = (1 - eps) * (lse - target) + smoothing_term + zloss;
   const RowResult<scalar_t> result{loss, zloss, target - lse};
   if (!compute_grad) return result;
 

@@ -67,11 +67,12 @@ cross_entropy_rows_kernel(float* logits, int64_t row_stride, const int64_t* labe
       v = softcap * tanhf(v / softcap);
       z[j] = v;  // the gradient sweep needs z'
     }
-    // Online update, one exp per element: rescale the running sum when the max grows.
+    // Online update, one exp per element: rescale the running sum when the max grows. A -inf
+    // logit (masked vocabulary entry) adds nothing, and must not reach -inf - -inf = NaN.
     if (v > ms.max) {
       ms.sum = ms.sum * expf(ms.max - v) + 1.0f;
       ms.max = v;
-    } else {
+    } else if (v > -INFINITY) {
       ms.sum += expf(v - ms.max);
     }
     logit_sum += v;
@@ -81,9 +82,11 @@ cross_entropy_rows_kernel(float* logits, int64_t row_stride, const int64_t* labe
   const float target = z[label];  // visible: block_reduce synchronised after the capping writes
   const float zloss = z_loss_weight * lse * lse;
   if (threadIdx.x == 0) {
-    // Differences against lse: a large common logit offset cancels before it can round.
-    loss_out[row] = (1.0f - label_smoothing) * (lse - target) +
-                    label_smoothing * (lse - logit_sum / static_cast<float>(vocab)) + zloss;
+    // Differences against lse: a large common logit offset cancels before it can round. The
+    // smoothing term only when it is on: with a -inf logit it is infinite, and 0 * inf is NaN.
+    const float smoothing =
+        label_smoothing > 0.0f ? label_smoothing * (lse - logit_sum / static_cast<float>(vocab)) : 0.0f;
+    loss_out[row] = (1.0f - label_smoothing) * (lse - target) + smoothing + zloss;
     zloss_out[row] = zloss;
     logprob_out[row] = target - lse;
   }

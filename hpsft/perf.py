@@ -1,6 +1,9 @@
 """Throughput accounting: model FLOPs of a packed step and a measured matmul peak for MFU."""
 
+import statistics
 import time
+import warnings
+from typing import Callable
 
 import torch
 
@@ -29,23 +32,72 @@ def model_flops(body_params: int, head_params: int, n_layers: int, hidden_size: 
 
 
 def measure_matmul_peak(rows: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                        device: torch.device, trials: int = 5, seconds_per_trial: float = 0.1) -> float:
+                        device: torch.device, trials: int = 5, seconds_per_trial: float = 0.4) -> float:
     """FLOP/s of a GEMM of the model's MLP shape on this device: the ceiling MFU is read against.
 
-    The best of several short trials: a busy neighbour process lowers some trials, and a
-    peak measured low would inflate every MFU reading after it.
+    The median of several trials after an untimed one: a single short trial is at the mercy
+    of whatever else runs at that moment (thread-pool start-up, a neighbour process), and
+    every MFU reading inherits its error. A reading that still beats it is handled by
+    PeakFlops.covering.
     """
     a = torch.randn(rows, hidden_size, dtype=dtype, device=device)
     b = torch.randn(hidden_size, intermediate_size, dtype=dtype, device=device)
-    torch.matmul(a, b)  # warm-up (thread pools, kernels)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = 0.0
-    for _ in range(trials):
+    rates = []
+    for trial in range(trials + 1):
         sync()
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds_per_trial:
             torch.matmul(a, b)
             count += 1
         sync()
-        best = max(best, 2.0 * rows * hidden_size * intermediate_size * count / (time.perf_counter() - start))
-    return best
+        if trial:  # the first one warms up thread pools, kernels and clocks
+            rates.append(2.0 * rows * hidden_size * intermediate_size * count / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+class PeakFlops:
+    """One device's MFU denominator, where it came from, and the guarantee MFU <= 1.
+
+    A step that runs faster than the peak proves the peak too low: a disturbed measurement,
+    a GEMM shape slower than the model's, or a wrong trainer.peak_flops_per_device. A
+    measured peak is then measured once more (the larger reading stands); if the step still
+    beats it, the peak is raised to the step's rate, an observed lower bound of the true
+    peak, with a warning. Readings against a raised peak overstate MFU as much as the peak
+    understates the device: the warning says so.
+    """
+
+    def __init__(self, value: float, source: str, remeasure: Callable[[], float] | None = None):
+        if not value > 0:
+            raise ValueError(f"peak FLOP/s must be positive, got {value} ({source})")
+        self.value, self.source, self.remeasure = value, source, remeasure
+        self.raised = False  # to a step's rate: warned about once
+
+    @classmethod
+    def configured(cls, value: float) -> "PeakFlops":
+        return cls(value, f"trainer.peak_flops_per_device = {value:.4g} FLOP/s")
+
+    @classmethod
+    def measured(cls, measure: Callable[[], float], what: str) -> "PeakFlops":
+        value = measure()
+        return cls(value, f"measured: {value:.4g} FLOP/s, {what}", measure)
+
+    def covering(self, achieved: float) -> float:
+        """The peak, raised when needed so that achieved / peak <= 1."""
+        if achieved <= self.value:
+            return self.value
+        if self.remeasure is not None:
+            remeasured, self.remeasure = self.remeasure(), None
+            print(f"hpsft: a step ran at {achieved:.4g} FLOP/s, above the measured peak {self.value:.4g}; "
+                  f"measured again: {remeasured:.4g}", flush=True)
+            self.value = max(self.value, remeasured)
+        if achieved > self.value:
+            if not self.raised:
+                warnings.warn(
+                    f"hpsft: a step ran at {achieved:.4g} FLOP/s, above the MFU peak {self.value:.4g} ({self.source}); "
+                    "the peak is raised to the step's rate, so perf/mfu overstates utilisation. Set "
+                    "trainer.peak_flops_per_device to the device's dense peak for the training dtype.",
+                    stacklevel=2,
+                )
+            self.value, self.raised = achieved, True
+        return self.value

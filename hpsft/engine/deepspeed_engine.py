@@ -83,7 +83,10 @@ class DeepSpeedEngine(TrainEngine):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        return torch.optim.AdamW(groups, **kwargs)
+        # On CPU torch's fused AdamW is one vectorised pass per tensor: 5-14x faster than the
+        # default single-tensor chain of passes on SmolLM2-135M (docs/packing.md), same update.
+        # On GPU the choice stays torch's (None: foreach there; False would force the slow loop).
+        return torch.optim.AdamW(groups, fused=None if torch.cuda.is_available() else True, **kwargs)
 
     def initialize(self, module: nn.Module) -> None:
         optimizer = self.build_optimizer(module)

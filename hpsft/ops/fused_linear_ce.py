@@ -78,15 +78,17 @@ def _rows_to_tokens(grad_rows, positions, total_tokens):
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """(hidden, weight, bias) -> (loss, zloss rows, logprob rows) over the rows `positions` of hidden.
 
-    loss is sum_i row_scale_i * loss_i when reduce, else the per-row losses.
+    loss is sum_i row_scale_i * loss_i when reduce, else the per-row losses. grad_enabled:
+    torch.is_grad_enabled() at the call; inside forward it is always False, and
+    ctx.needs_input_grad says True under torch.no_grad() for inputs that require grad.
     """
 
     @staticmethod
-    def forward(ctx, hidden, positions, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows):
+    def forward(ctx, hidden, positions, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows, grad_enabled):
         ctx.options, ctx.row_kernel, ctx.chunk_rows = options, row_kernel, chunk_rows
         ctx.total_tokens = hidden.shape[0]
         ctx.grad_dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        ctx.needs_grad = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4])
+        ctx.needs_grad = tuple(grad_enabled and needed for needed in (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]))
         x = hidden.index_select(0, positions)
         loss, zloss, logprob, *grads = chunked_linear_cross_entropy(
             x, weight, bias, labels, row_scale, options, row_kernel, chunk_rows, ctx.needs_grad if reduce else (False,) * 3
@@ -117,4 +119,4 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if grads[0] is not None:
             grads[0] = _rows_to_tokens(grads[0], positions, ctx.total_tokens)
         grad_hidden, grad_weight, grad_bias = grads
-        return grad_hidden, None, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, None, grad_weight, grad_bias, None, None, None, None, None, None, None

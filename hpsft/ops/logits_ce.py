@@ -14,12 +14,13 @@ class CrossEntropyRowsFunction(torch.autograd.Function):
     """(logits, rows) -> (loss, zloss rows, logprob rows); rows index the supervised positions."""
 
     @staticmethod
-    def forward(ctx, logits, positions, labels, row_scale, options, row_kernel, reduce):
+    def forward(ctx, logits, positions, labels, row_scale, options, row_kernel, reduce, grad_enabled):
+        # grad_enabled: torch.is_grad_enabled() at the call (see LinearCrossEntropyFunction).
         dtype = compute_dtype_for(logits.dtype)
         # index_select copies, so the row kernel may overwrite the block in place.
         block = logits.index_select(0, positions).to(dtype)
         scale = row_scale if reduce else torch.ones_like(row_scale)
-        loss, zloss, logprob = row_kernel(block, labels, scale, options, ctx.needs_input_grad[0])
+        loss, zloss, logprob = row_kernel(block, labels, scale, options, grad_enabled and ctx.needs_input_grad[0])
         ctx.reduce, ctx.logits_shape, ctx.logits_dtype = reduce, logits.shape, logits.dtype
         ctx.save_for_backward(block, positions)
         if reduce:
@@ -34,4 +35,4 @@ class CrossEntropyRowsFunction(torch.autograd.Function):
         grad_rows = block * (grad_loss if ctx.reduce else grad_loss[:, None])
         grad_logits = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=block.device)
         grad_logits.index_copy_(0, positions, grad_rows.to(ctx.logits_dtype))
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None

@@ -12,7 +12,11 @@ def torch_rows_forward_(block, labels, row_scale, options: RowOptions, compute_g
     lse = torch.logsumexp(block, dim=1)
     target = block.gather(1, labels[:, None]).squeeze(1)
     zloss = lam * lse * lse
-    loss = lse - (1 - eps) * target - eps * block.mean(dim=1) + zloss
+    # Differences against lse, as in the native kernels. The smoothing term only when it is
+    # on: a -inf logit (masked vocabulary entry) makes the mean -inf, and 0 * inf is NaN.
+    loss = (1 - eps) * (lse - target) + zloss
+    if eps > 0:
+        loss = loss + eps * (lse - block.mean(dim=1))
     logprob = target - lse
     if compute_grad:
         # The softcap derivative needs z' after the block has turned into probabilities.

@@ -1,5 +1,8 @@
 """Triton row kernel (contract: row_options): one program per row, online log-sum-exp over
-BLOCK_V-wide vocabulary blocks, then a second sweep writing d(logits) in place.
+BLOCK_V-wide vocabulary blocks, then a second sweep writing d(logits) in place. With
+soft-capping the first sweep stores z' over the logits: the target logit is kept in
+registers rather than read back, and a barrier orders the stores before the second sweep
+(a program's elements are spread over its threads, and nothing else orders their memory).
 
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1, which Triton reads when
 @triton.jit decorates: set it before this module is first imported. The interpreter has no
@@ -33,6 +36,7 @@ def _cross_entropy_rows_kernel(
     running_max = float("-inf")
     running_sum = 0.0
     logit_sum = 0.0
+    target = 0.0
     for start in range(0, vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_vocab = cols < vocab
@@ -40,20 +44,29 @@ def _cross_entropy_rows_kernel(
         if HAS_SOFTCAP:
             z = softcap * _tanh(z / softcap)
             tl.store(row_ptr + cols, z, mask=in_vocab)  # the gradient sweep needs z'
+        # The target logit is picked up here, in registers: reading it back from row_ptr after
+        # the soft-capping stores would race with the thread of this program that wrote it.
+        target += tl.sum(tl.where(cols == label, z, 0.0), axis=0)
         new_max = tl.maximum(running_max, tl.max(tl.where(in_vocab, z, float("-inf")), axis=0))
-        block_sum = tl.sum(tl.where(in_vocab, tl.exp(z - new_max), 0.0), axis=0)
-        running_sum = running_sum * tl.exp(running_max - new_max) + block_sum
+        # While every logit so far is -inf (masked vocabulary entries), shift by 0: z - new_max
+        # would be -inf - -inf = NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        block_sum = tl.sum(tl.where(in_vocab, tl.exp(z - shift), 0.0), axis=0)
+        running_sum = running_sum * tl.exp(running_max - shift) + block_sum
         running_max = new_max
         logit_sum += tl.sum(tl.where(in_vocab, z, 0.0), axis=0)
     lse = running_max + tl.log(running_sum)
-    target = tl.load(row_ptr + label).to(tl.float32)
     zloss = z_loss_weight * lse * lse
-    # Differences against lse: a large common logit offset cancels before it can round.
-    loss = (1.0 - label_smoothing) * (lse - target) + label_smoothing * (lse - logit_sum / vocab) + zloss
+    # Differences against lse: a large common logit offset cancels before it can round. The
+    # smoothing term is selected, not multiplied by 0: with a -inf logit it is infinite.
+    smoothing = tl.where(label_smoothing > 0.0, label_smoothing * (lse - logit_sum / vocab), 0.0)
+    loss = (1.0 - label_smoothing) * (lse - target) + smoothing + zloss
     tl.store(loss_ptr + row, loss)
     tl.store(zloss_ptr + row, zloss)
     tl.store(logprob_ptr + row, target - lse)
     if COMPUTE_GRAD:
+        if HAS_SOFTCAP:
+            tl.debug_barrier()  # the z' stores above are visible to every thread below
         scale = tl.load(scale_ptr + row)
         p_factor = (1.0 + 2.0 * z_loss_weight * lse) * scale
         uniform = label_smoothing / vocab * scale

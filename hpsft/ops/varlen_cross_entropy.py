@@ -79,6 +79,19 @@ def _row_scale(reduction, denominator, targets: varlen_targets.SupervisedPositio
     return ones / tokens_per_sequence[targets.sequence_ids] / denominator
 
 
+def _refuse_smoothing_over_minus_inf(loss, options: RowOptions):
+    """Label smoothing averages every logit; one of them -inf (a masked vocabulary entry, not
+    soft-capped) makes that average -inf and the loss +inf, which F.cross_entropy returns
+    silently. Refused instead: an infinite loss trains nothing. Without smoothing a -inf
+    logit is fine (its probability is 0). One device sync, only with smoothing on."""
+    if options.label_smoothing > 0 and options.softcap == 0 and bool(torch.isinf(loss).any()):
+        raise ValueError(
+            "label_smoothing > 0 with a -inf logit (a masked vocabulary entry, or a -inf target logit): the "
+            "smoothing term averages all logits, so the loss is +inf. Set label_smoothing=0 to train with a "
+            "masked vocabulary, or mask with a finite value so that the masked entries take part in smoothing"
+        )
+
+
 def _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend):
     def per_row(values):
         # index_copy (positions are unique): index_add is very slow on CPU in torch 2.13.
@@ -139,8 +152,10 @@ def varlen_linear_cross_entropy(
     backend_name, row_kernel = select_row_kernel(backend, hidden.device, dtype)
     row_scale = _row_scale(reduction, denominator, targets, dtype, hidden.device)
     loss, zloss, logprob = LinearCrossEntropyFunction.apply(
-        hidden, targets.positions, weight, bias, targets.labels, row_scale, options, row_kernel, reduction != "none", chunk_rows
+        hidden, targets.positions, weight, bias, targets.labels, row_scale, options, row_kernel, reduction != "none", chunk_rows,
+        torch.is_grad_enabled(),
     )
+    _refuse_smoothing_over_minus_inf(loss, options)
     return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)
 
 
@@ -171,6 +186,7 @@ def varlen_cross_entropy(
     backend_name, row_kernel = select_row_kernel(backend, logits.device, dtype)
     row_scale = _row_scale(reduction, denominator, targets, dtype, logits.device)
     loss, zloss, logprob = CrossEntropyRowsFunction.apply(
-        logits, targets.positions, targets.labels, row_scale, options, row_kernel, reduction != "none"
+        logits, targets.positions, targets.labels, row_scale, options, row_kernel, reduction != "none", torch.is_grad_enabled()
     )
+    _refuse_smoothing_over_minus_inf(loss, options)
     return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)

@@ -5,6 +5,7 @@ takes this rank's share of a global batch (a jagged TensorDict), splits it into
 micro-batches (as many as every other rank runs), and returns plain Python metrics.
 """
 
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -15,7 +16,7 @@ from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, write_hf_folder
-from hpsft.perf import flop_counts, measure_matmul_peak, model_flops
+from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
 
 
 def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
@@ -32,7 +33,7 @@ class TrainingWorker:
         self.loss_config = loss_config
         self.engine_config = engine_config
         self.data_config = data_config
-        self.peak_flops = peak_flops  # per device; measured in init_model when None
+        self.peak_flops_per_device = peak_flops  # measured in init_model when None
         self.engine = DeepSpeedEngine(engine_config, optim_config, total_steps)
         self.loss_fn: Callable = token_mean_loss
 
@@ -47,11 +48,18 @@ class TrainingWorker:
         self.engine.initialize(
             PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
         )
-        if self.peak_flops is None:
+        if self.peak_flops_per_device is not None:
+            self.peak = PeakFlops.configured(self.peak_flops_per_device)
+        else:
             dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
             rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
-            self.peak_flops = measure_matmul_peak(rows, lm.config.hidden_size, lm.config.intermediate_size,
-                                                  dtype, self.engine.device)
+            shape = (rows, lm.config.hidden_size, lm.config.intermediate_size)
+            self.peak = PeakFlops.measured(
+                lambda: measure_matmul_peak(*shape, dtype, self.engine.device),
+                f"median GEMM {'x'.join(map(str, shape))} {dtype} on {self.engine.device}",
+            )
+        if distributed.rank() == 0:
+            print(f"hpsft: MFU peak per device: {self.peak.source}", flush=True)
 
     def set_loss_fn(self, loss_fn: Callable) -> None:
         """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = PackedCausalLM's."""
@@ -80,7 +88,11 @@ class TrainingWorker:
         if global_loss_tokens is None:
             global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0])
         rows, _ = self.micro_batches(batch)
+        start = time.perf_counter()  # after the collectives above: every rank starts together
         result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
+        seconds = time.perf_counter() - start
+        flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
+                            local_loss_tokens)
         outputs = result["outputs"]
         return {
             "objective_sum": sum(float(o["loss"]) for o in outputs),
@@ -93,9 +105,10 @@ class TrainingWorker:
             "tokens": sum(lengths),
             "computed_tokens": sum(r["input_ids"].numel() for r in rows),
             "micro_batches": len(rows),
-            "flops": model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size,
-                                 lengths, local_loss_tokens),
-            "peak_flops": self.peak_flops,
+            "flops": flops,
+            # Never below this step's own rate: the trainer's step time contains this rank's
+            # engine time, so its MFU reading stays <= 1 (PeakFlops.covering says how).
+            "peak_flops": self.peak.covering(flops / seconds),
             "grad_norm": result["grad_norm"],
             "lr": result["lr"],
         }

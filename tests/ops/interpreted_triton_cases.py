@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_varlen_ce import OPTIONS, REDUCTIONS, assert_close, reference, run_linear
+from test_masked_vocabulary import masked_batch
 from varlen_ce_reference import make_batch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -46,3 +47,14 @@ def test_triton_nothing_supervised():
     batch = make_batch(fully_masked=range(6))
     out, grads = run_linear(batch, "triton", "mean", {"z_loss_weight": 0.1}, True, use_labels=False)
     assert out.loss.item() == 0 and all(torch.all(g == 0) for g in grads)
+
+
+@pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "label_smoothing": 0.1}], ids=["plain", "softcap+smoothing"])
+def test_triton_minus_inf_logits(options):
+    # The whole first 1024-wide block is masked: its max is -inf.
+    batch = masked_batch()
+    out, grads = run_linear(batch, "triton", "sum", options, True, use_labels=False)
+    ref_loss, _, _, ref_grads = reference(batch, batch.aligned_labels(), "sum", options, True)
+    assert_close(out.loss, ref_loss)
+    for actual, expected in zip(grads, ref_grads):
+        assert_close(actual, expected)

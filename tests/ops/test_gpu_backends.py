@@ -20,6 +20,7 @@ import torch
 
 from hpsft.ops import varlen_cross_entropy, varlen_linear_cross_entropy
 from hpsft.ops.backends import select_row_kernel
+from test_masked_vocabulary import masked_batch
 from test_varlen_ce import OPTIONS, REDUCTIONS, assert_close, reference, upstream_gradient
 from varlen_ce_reference import IGNORE, make_batch, reduce_rows, reference_rows
 
@@ -219,3 +220,17 @@ def test_auto_picks_a_gpu_kernel_on_cuda_tensors():
     out = varlen_linear_cross_entropy(batch.hidden, batch.weight, input_ids=batch.input_ids, offsets=batch.offsets, loss_mask=batch.loss_mask)
     assert out.backend == loadable[0]  # cuda when its extension loads, else triton
     assert out.loss.is_cuda
+
+
+@pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "label_smoothing": 0.1}], ids=["plain", "softcap+smoothing"])
+def test_minus_inf_logits(backend, options):
+    # The masked vocabulary of the CPU test: a whole first block (every kernel's max is -inf
+    # there) and scattered entries; labels never masked.
+    batch = masked_batch()
+    out, grads = run_linear_on_gpu(batch, backend, "sum", options, True)
+    assert_matches_reference(out, grads, batch, "sum", options, True)
+
+
+def test_label_smoothing_with_minus_inf_logits_is_refused(backend):
+    with pytest.raises(ValueError, match="label_smoothing.*-inf"):
+        run_linear_on_gpu(masked_batch(), backend, "sum", {"label_smoothing": 0.1}, True)

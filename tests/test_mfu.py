@@ -1,0 +1,51 @@
+"""perf/mfu never exceeds 1, whatever the peak it is read against, and says where the peak came from."""
+
+import warnings
+
+import pytest
+import torch
+
+from hpsft.perf import PeakFlops, measure_matmul_peak
+from tests.conftest import base_overrides, read_metrics, run_cli
+
+
+def test_a_disturbed_measurement_is_measured_again_then_raised_to_the_achieved_rate():
+    readings = iter([1e9, 4e9])  # the first measurement disturbed (too low), the second not
+    peak = PeakFlops.measured(lambda: next(readings), "test GEMM")
+    assert peak.value == 1e9 and "measured" in peak.source
+    assert peak.covering(0.5e9) == 1e9  # below the peak: nothing happens
+    assert peak.covering(3e9) == 4e9  # above: measured again, the larger reading stands
+    with pytest.warns(UserWarning, match="raised to the step's rate"):
+        assert peak.covering(5e9) == 5e9  # above even the second: raised, with a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only; never measured a third time
+        assert peak.covering(6e9) == 6e9
+        assert peak.covering(2e9) == 6e9
+    for achieved in (0.5e9, 3e9, 5e9, 6e9, 2e9):
+        assert achieved / peak.covering(achieved) <= 1
+
+
+def test_a_configured_peak_is_never_measured():
+    peak = PeakFlops.configured(2e9)
+    assert "trainer.peak_flops_per_device" in peak.source
+    with pytest.warns(UserWarning, match="trainer.peak_flops_per_device"):
+        assert peak.covering(3e9) == 3e9
+    with pytest.raises(ValueError, match="positive"):
+        PeakFlops.configured(0.0)
+
+
+def test_the_measured_peak_is_a_median_of_real_gemms():
+    rate = measure_matmul_peak(64, 32, 48, torch.float32, torch.device("cpu"), trials=3, seconds_per_trial=0.02)
+    assert 1e6 < rate < 1e14  # FLOP/s of a real GEMM on a CPU
+
+
+def test_training_with_a_far_too_low_peak_logs_mfu_at_most_one(tmp_path, model_path, tiny_data):
+    train, val = tiny_data
+    out_dir = tmp_path / "run"
+    result = run_cli("hpsft.train", base_overrides(model_path, train, None, out_dir, **{
+        "trainer.total_steps": 2, "trainer.export_hf": "false", "trainer.peak_flops_per_device": 1e6}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MFU peak per device: trainer.peak_flops_per_device = 1e+06 FLOP/s" in result.stdout
+    assert "raised to the step's rate" in result.stderr
+    mfus = [m["perf/mfu"] for m in read_metrics(out_dir) if "perf/mfu" in m]
+    assert len(mfus) == 2 and all(0 < mfu <= 1 for mfu in mfus), mfus
