@@ -23,6 +23,7 @@ from hpsft.errors import UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
 from hpsft.trainer.checkpoint import CheckpointManager
+from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem
 from hpsft.workers import TrainingWorker
 
 
@@ -56,6 +57,8 @@ class SFTTrainer:
     def __init__(self, config: SFTConfig):
         self.config = config
         self.rank, self.world_size, self.dp_size = self.place_process()
+        self.run_dir = Path(config.trainer.output_dir)
+        self.check_output_dir()
         seed_everything(config.trainer.seed)
         data = config.data
         if data.train_batch_size % self.dp_size:
@@ -76,14 +79,17 @@ class SFTTrainer:
 
         self.worker = self.build_worker()
 
-        # Everything that can fail on bad input has run: only now does the run directory appear.
-        self.run_dir = Path(config.trainer.output_dir)
+        # Everything that can fail on bad input has run: only now does the run directory appear
+        # (and a previous run's outputs go, when the user asked for that).
         self.checkpoints = CheckpointManager(self.run_dir)
         if self.rank == 0:
+            if config.trainer.overwrite_output_dir:
+                clear_previous_run(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(config))
         distributed.barrier()
         self.global_step, self.epoch = 0, 0
+        self.last_checkpoint: Path | None = None  # the newest this run saved or resumed from
         self.resume()
         self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
 
@@ -130,11 +136,23 @@ class SFTTrainer:
 
     # ---- checkpoints -------------------------------------------------------------------
 
+    def check_output_dir(self) -> None:
+        """Before anything slow: a fresh run may not mix into another run's outputs."""
+        trainer_cfg = self.config.trainer
+        if trainer_cfg.resume != "disable":
+            return
+        problem = distributed.on_rank0_then_share(
+            lambda: fresh_start_problem(self.run_dir, trainer_cfg.overwrite_output_dir))
+        if problem is not None:
+            raise UserInputError(problem)
+
     def resume(self) -> None:
         mode = self.config.trainer.resume
         if mode == "disable":
             return
-        checkpoint = self.checkpoints.latest() if mode == "auto" else CheckpointManager.resolve(mode)
+        find = self.checkpoints.latest if mode == "auto" else lambda: CheckpointManager.resolve(mode)
+        # Rank 0 checks the manifests and reports a damaged checkpoint once; all load its choice.
+        checkpoint = distributed.on_rank0_then_share(find)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint)
 
@@ -151,6 +169,7 @@ class SFTTrainer:
         self.sampler.set_epoch(self.epoch)
         self.train_loader.load_state_dict(state["dataloader"])
         set_rng_state(state["rng"])
+        self.last_checkpoint = checkpoint
         if self.rank == 0:
             print(f"resumed from {checkpoint} at step {self.global_step}", flush=True)
 
@@ -168,7 +187,9 @@ class SFTTrainer:
         distributed.barrier()
         if self.rank == 0:
             self.checkpoints.commit(step)
+            self.checkpoints.prune(self.config.trainer.keep_last_checkpoints, step)
         distributed.barrier()
+        self.last_checkpoint = self.checkpoints.root / CheckpointManager.tag(step)
 
     # ---- loop --------------------------------------------------------------------------
 
