@@ -11,6 +11,7 @@ import os
 import sys
 
 from hpsft.config import load_config
+from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted
 from hpsft.train import USER_ERRORS
 
 
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
     except (WorkerDiedError, WorkerFailedError) as err:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 1
+    except Preempted as stop:
+        print(f"hpsft: {stop}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

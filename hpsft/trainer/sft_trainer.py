@@ -19,10 +19,12 @@ from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.dataset import SFTDataset, TokenizeOptions, load_or_tokenize
-from hpsft.errors import UserInputError
+from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
 from hpsft.trainer.checkpoint import CheckpointManager
+from hpsft.trainer.nonfinite import SkippedSteps, nan_gradient_loss, nan_gradient_steps
+from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem
 from hpsft.workers import TrainingWorker
 
@@ -78,6 +80,8 @@ class SFTTrainer:
         self.total_steps = self.count_total_steps()
 
         self.worker = self.build_worker()
+        self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
+        self.nan_gradient_steps = nan_gradient_steps()  # a test hook: empty in real runs
 
         # Everything that can fail on bad input has run: only now does the run directory appear
         # (and a previous run's outputs go, when the user asked for that).
@@ -166,6 +170,7 @@ class SFTTrainer:
             )
         self.worker.load_checkpoint(str(checkpoint.parent), checkpoint.name)
         self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.skipped_steps.total = state.get("skipped_steps", 0)
         self.sampler.set_epoch(self.epoch)
         self.train_loader.load_state_dict(state["dataloader"])
         set_rng_state(state["rng"])
@@ -181,6 +186,7 @@ class SFTTrainer:
             "epoch": self.epoch,
             "mode": self.checkpoint_mode,
             "dp_size": self.dp_size,
+            "skipped_steps": self.skipped_steps.total,
             "dataloader": self.train_loader.state_dict(),
             "rng": rng_state(),
         })
@@ -240,6 +246,15 @@ class SFTTrainer:
                 yield batch
             self.epoch += 1
 
+    def train_step(self, batch) -> dict:
+        if self.global_step + 1 not in self.nan_gradient_steps:
+            return self.worker.train_batch(batch)
+        self.worker.set_loss_fn(nan_gradient_loss)  # the test hook of hpsft/trainer/nonfinite.py
+        try:
+            return self.worker.train_batch(batch)
+        finally:
+            self.worker.reset()
+
     def fit(self) -> None:
         trainer_cfg = self.config.trainer
         progress = tqdm(
@@ -248,24 +263,34 @@ class SFTTrainer:
         )
         last_step = min(self.total_steps, trainer_cfg.stop_at_step or self.total_steps)
         batches = self.batches()
-        while self.global_step < last_step:
-            batch = next(batches)
-            start = time.perf_counter()
-            out = self.worker.train_batch(batch)
-            self.global_step += 1
-            metrics = self.step_metrics(out, time.perf_counter() - start)
-            progress.update(1)
-            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            final = self.global_step == last_step
-            if self.val_dataset is not None and (trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final):
-                metrics["val/loss"] = self.validate()
-            if self.tracker and (self.global_step % trainer_cfg.log_every == 0 or "val/loss" in metrics or final):
-                self.tracker.log(metrics, self.global_step)
-            if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final:
-                self.save_checkpoint()
+        preempted = False
+        with PreemptionWatch() as preemption:
+            while self.global_step < last_step and not preempted:
+                batch = next(batches)
+                start = time.perf_counter()
+                out = self.train_step(batch)
+                self.global_step += 1
+                metrics = self.step_metrics(out, time.perf_counter() - start)
+                self.skipped_steps.record(out["grad_norm"])  # the same global norm on every rank
+                metrics["train/skipped_steps"] = self.skipped_steps.total
+                progress.update(1)
+                progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                preempted = preemption.stop_agreed()
+                final = self.global_step == last_step
+                if self.val_dataset is not None and not preempted and (
+                        trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final):
+                    metrics["val/loss"] = self.validate()
+                if self.tracker and (self.global_step % trainer_cfg.log_every == 0 or "val/loss" in metrics
+                                     or final or preempted):
+                    self.tracker.log(metrics, self.global_step)
+                self.skipped_steps.check(self.global_step, self.last_checkpoint)
+                if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final or preempted:
+                    self.save_checkpoint()
         progress.close()
+        if self.tracker:
+            self.tracker.close()
+        if preempted:
+            raise Preempted(self.global_step, self.last_checkpoint)
         if trainer_cfg.export_hf and self.global_step == self.total_steps:
             self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer)
             distributed.barrier()
-        if self.tracker:
-            self.tracker.close()
