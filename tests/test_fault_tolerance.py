@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,23 +63,40 @@ def test_rotation_and_resume_past_damaged_checkpoints(tmp_path, model_path, tiny
 def test_a_fresh_run_into_an_old_run_directory_is_refused_unless_overwritten(tmp_path, model_path, tiny_data):
     train, _ = tiny_data
     out = tmp_path / "run"
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, out, **{
-        "trainer.total_steps": 1, "trainer.export_hf": "false"})))
+    (out / "checkpoints" / "global_step_7").mkdir(parents=True)  # what an earlier run left
+    (out / "checkpoints" / "latest").write_text("global_step_7\n")
+    (out / "metrics.jsonl").write_text('{"step": 7, "train/loss": 1.0}\n')
     (out / "notes.txt").write_text("the user's own file")
-    fresh = {"trainer.resume": "disable", "trainer.total_steps": 1, "trainer.export_hf": "false",
-             "trainer.seed": 7}
+    fresh = {"trainer.resume": "disable", "trainer.total_steps": 1, "trainer.export_hf": "false"}
     proc = run_cli("hpsft.train", base_overrides(model_path, train, None, out, **fresh))
     assert proc.returncode == 2, proc.stderr[-3000:]
     last_line = proc.stderr.strip().splitlines()[-1]
     assert last_line.startswith(f"hpsft: error: trainer.output_dir={out} already holds a run"), last_line
     assert "trainer.overwrite_output_dir=true" in last_line and "Traceback" not in proc.stderr
-    old_metrics = read_metrics(out)
+    assert (out / "checkpoints" / "global_step_7").is_dir()  # refused: nothing touched
 
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, out, **fresh, **{
         "trainer.overwrite_output_dir": "true"})))
-    new_metrics = read_metrics(out)
-    assert len(new_metrics) == 1 and new_metrics[0]["train/loss"] != old_metrics[0]["train/loss"]
+    assert [m["step"] for m in read_metrics(out)] == [1]
     assert checkpoint_names(out) == ["global_step_1"] and (out / "notes.txt").is_file()
+
+
+SIGNAL_TWICE = """
+import os, signal, sys
+from hpsft.trainer.preemption import PreemptionWatch
+
+with PreemptionWatch() as watch:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print("noted", watch.received, watch.stop_agreed(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("still alive after a second signal", flush=True)
+"""
+
+
+def test_first_signal_is_noted_and_a_second_one_kills_at_once():
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "noted True True", proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGTERM
 
 
 def rank_pid(launcher_pid: int, rank: int) -> int:
