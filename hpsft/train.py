@@ -33,6 +33,9 @@ def main(argv=None) -> int:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 2
     except Preempted as stop:
+        from hpsft.trainer.preemption import ignore_stop_signals
+
+        ignore_stop_signals()
         print(f"hpsft: {stop}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     return 0

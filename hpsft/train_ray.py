@@ -46,6 +46,9 @@ def main(argv=None) -> int:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 1
     except Preempted as stop:
+        from hpsft.trainer.preemption import ignore_stop_signals
+
+        ignore_stop_signals()
         print(f"hpsft: {stop}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     return 0

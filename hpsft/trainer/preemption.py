@@ -4,9 +4,9 @@ exits with hpsft.errors.PREEMPTED_EXIT_CODE (75); re-running the same command re
 
 A signal may reach some ranks and not others, or reach them during different steps: after
 every step the ranks take the maximum of their flags (one small all-reduce), so they all
-save the same step, or none does. A second signal ends the process at once, as the
-signal's default action would; a save it interrupts stays a `.partial` folder that no
-resume trusts.
+save the same step, or none does. A second signal before the save is done ends the process
+at once, as the signal's default action would; a save it interrupts stays a `.partial`
+folder that no resume trusts. After the save, the entry points ignore further signals.
 """
 
 import os
@@ -44,3 +44,11 @@ class PreemptionWatch:
     def stop_agreed(self) -> bool:
         """Whether any rank got a stop signal. A collective: every rank calls it every step."""
         return distributed.all_reduce_max(int(self.received)) > 0
+
+
+def ignore_stop_signals() -> None:
+    """For a process that saved its checkpoint and is leaving with PREEMPTED_EXIT_CODE: a
+    further SIGTERM must not turn that into death by signal. Launchers send one to the ranks
+    still alive as soon as the first rank exits (torchrun does, srun --kill-on-bad-exit too)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

@@ -286,11 +286,11 @@ class SFTTrainer:
                 self.skipped_steps.check(self.global_step, self.last_checkpoint)
                 if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final or preempted:
                     self.save_checkpoint()
-        progress.close()
-        if self.tracker:
-            self.tracker.close()
-        if preempted:
-            raise Preempted(self.global_step, self.last_checkpoint)
+            progress.close()
+            if self.tracker:
+                self.tracker.close()
+            if preempted:  # still watching: the entry point ignores further signals from here on
+                raise Preempted(self.global_step, self.last_checkpoint)
         if trainer_cfg.export_hf and self.global_step == self.total_steps:
             self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer)
             distributed.barrier()
