@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from hpsft.config import ConfigError, load_config
-from hpsft.errors import UserInputError
+from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError
 
 # Bad input the user can fix: reported as one line, no traceback.
 USER_ERRORS = (ConfigError, UserInputError)
@@ -32,6 +32,12 @@ def main(argv=None) -> int:
     except USER_ERRORS as err:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except Preempted as stop:
+        from hpsft.trainer.preemption import ignore_stop_signals
+
+        ignore_stop_signals()
+        print(f"hpsft: {stop}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

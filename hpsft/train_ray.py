@@ -11,6 +11,7 @@ import os
 import sys
 
 from hpsft.config import load_config
+from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted
 from hpsft.train import USER_ERRORS
 
 
@@ -44,6 +45,12 @@ def main(argv=None) -> int:
     except (WorkerDiedError, WorkerFailedError) as err:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 1
+    except Preempted as stop:
+        from hpsft.trainer.preemption import ignore_stop_signals
+
+        ignore_stop_signals()
+        print(f"hpsft: {stop}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

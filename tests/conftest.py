@@ -71,24 +71,30 @@ def train_env() -> dict:
     return env
 
 
-def run_cli(module: str | None, args: list[str], nproc: int = 1, timeout: int = 600, script: str | None = None,
-            launcher: str = "torchrun"):
-    """Run `python -m module args` (or a script) in fresh processes: one plain process, or
-    `nproc` ranks under torchrun or the deepspeed launcher."""
+def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str | None = None,
+                launcher: str = "torchrun") -> list[str]:
+    """`python -m module args` (or a script): one plain process, or `nproc` ranks under
+    torchrun or the deepspeed launcher."""
     target = [script] if script else ["-m", module]
     if nproc == 1:
-        cmd = [sys.executable, *target, *args]
-    elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
-    elif launcher == "deepspeed":
+        return [sys.executable, *target, *args]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                *target, *args]
+    if launcher == "deepspeed":
         from hpsft.distributed import free_port
 
         ds_target = [script] if script else ["--module", module]
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}",
-               *ds_target, *args]
-    else:
-        raise ValueError(launcher)
-    return subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+        return [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}",
+                *ds_target, *args]
+    raise ValueError(launcher)
+
+
+def run_cli(module: str | None, args: list[str], nproc: int = 1, timeout: int = 600, script: str | None = None,
+            launcher: str = "torchrun", env: dict | None = None):
+    """Run the CLI (see cli_command) in fresh processes to the end; `env` adds variables."""
+    return subprocess.run(cli_command(module, args, nproc, script, launcher), cwd=REPO,
+                          env={**train_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(run_dir) -> list[dict]:

@@ -37,6 +37,9 @@ def test_config_is_frozen():
         ("engine.offload_params=true", "engine.offload_params needs engine.zero_stage=3"),
         ("engine.dtype=bfloat16 engine.zero_stage=0", "engine.dtype=bfloat16 needs engine.zero_stage >= 1"),
         ("optim", "override 'optim' is not of the form key=value"),
+        ("trainer.overwrite_output_dir=true", "trainer.overwrite_output_dir=true needs trainer.resume=disable"),
+        ("trainer.keep_last_checkpoints=-1", "trainer.keep_last_checkpoints must be >= 0, got -1"),
+        ("trainer.max_skipped_steps=0", "trainer.max_skipped_steps must be > 0, got 0"),
     ],
 )
 def test_bad_config_names_the_key(override, message):

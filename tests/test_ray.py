@@ -224,6 +224,36 @@ def test_killed_worker_restarts_from_the_last_checkpoint(tmp_path, model_path, d
     assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
 
 
+def signal_the_driver_after_step(step: int):
+    """A during_fit action: SIGTERM to this (the driver's) process once `step` has been logged."""
+
+    def action(trainer):
+        metrics = Path(trainer.run_dir) / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= step):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return action
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_driver_saves_the_step_reached_and_a_new_driver_resumes(tmp_path, model_path, data, zero3_run):
+    """SIGTERM after step 2 is logged: the group finishes step 3, saves it (not a save_every
+    step), and a new driver's resume reproduces the uninterrupted run."""
+    from hpsft.errors import Preempted
+
+    out = tmp_path / "run"
+    with pytest.raises(Preempted, match="after step 3"):
+        run_driver(ray_config(model_path, data, out, **ZERO3), during_fit=signal_the_driver_after_step(2))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_3"
+    assert sorted(last_per_step(out)) == [1, 2, 3]
+    run_driver(ray_config(model_path, data, out, **ZERO3))
+    straight, resumed = last_per_step(zero3_run), last_per_step(out)
+    for step in range(1, 5):
+        assert rel_diff(straight[step]["train/loss"], resumed[step]["train/loss"]) <= 1e-6, step
+    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
+
+
 def wait_for_dashboard(url: str, head: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

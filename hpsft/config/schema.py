@@ -135,6 +135,11 @@ class TrainerConfig:
     seed: int = 42
     output_dir: str = "runs/default"
     resume: str = "auto"  # auto (latest in output_dir) | disable | a checkpoint path
+    # With resume=disable: delete a previous run's checkpoints, metrics, TensorBoard logs and hf/
+    # in output_dir first (without it such a directory is refused).
+    overwrite_output_dir: bool = False
+    keep_last_checkpoints: int = 0  # 0: keep every checkpoint; N: the newest N (the one just saved always)
+    max_skipped_steps: int = 10  # this many steps in a row with a non-finite gradient norm stop the run
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     log_every: int = 1
     export_hf: bool = True  # write the final model as a Hugging Face folder in <output_dir>/hf
@@ -148,6 +153,13 @@ class TrainerConfig:
         check_positive("trainer", "val_every", self.val_every, allow_zero=True)
         check_positive("trainer", "save_every", self.save_every, allow_zero=True)
         check_positive("trainer", "log_every", self.log_every)
+        check_positive("trainer", "keep_last_checkpoints", self.keep_last_checkpoints, allow_zero=True)
+        check_positive("trainer", "max_skipped_steps", self.max_skipped_steps)
+        if self.overwrite_output_dir and self.resume != "disable":
+            raise ValueError(
+                f"trainer.overwrite_output_dir=true needs trainer.resume=disable (resume={self.resume!r} would "
+                "delete what it resumes from)"
+            )
         for name in self.loggers:
             check_choice("trainer", "loggers", name, {"console", "jsonl", "tensorboard"})
 

@@ -120,7 +120,12 @@ class DeepSpeedEngine(TrainEngine):
             self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
             outputs.append(detached(out))
         unsharded_norm = self.unsharded_grad_norm() if self.config.zero_stage == 0 else None
-        self.engine.step()
+        if unsharded_norm is not None and not math.isfinite(unsharded_norm):
+            # ZeRO 1-3 skip a step whose gradient norm is NaN/Inf, leaving weights, optimizer
+            # state and LR schedule as they were; without ZeRO DeepSpeed would apply it.
+            self.engine.zero_grad()
+        else:
+            self.engine.step()
         grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
         return {
             "outputs": outputs,

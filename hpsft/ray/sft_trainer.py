@@ -9,14 +9,11 @@ RNG, step). A dead worker stops the run with an error naming its rank; with
 ray.max_restarts > 0 the driver builds a new group and goes on from the last checkpoint.
 """
 
-from pathlib import Path
-
 from hpsft.config import SFTConfig
 from hpsft.ray.data_parallel import DataParallelWorker
 from hpsft.ray.resource_pool import RayResourcePool
 from hpsft.ray.sampler import RankInterleavedSampler
 from hpsft.ray.worker_group import ClassWithInitArgs, RayWorkerGroup, WorkerDiedError
-from hpsft.trainer.checkpoint import CheckpointManager
 from hpsft.trainer.sft_trainer import SFTTrainer, seed_everything
 from hpsft.workers import TrainingWorker
 
@@ -25,7 +22,6 @@ class RaySFTTrainer(SFTTrainer):
     checkpoint_mode = "ray"
 
     def __init__(self, config: SFTConfig):
-        self.last_checkpoint: Path | None = None  # where a restart goes back to
         try:
             super().__init__(config)
         except BaseException:  # e.g. a bad resume path after the group started: free the workers
@@ -50,14 +46,6 @@ class RaySFTTrainer(SFTTrainer):
         group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend)
         group.init_model().get()
         return DataParallelWorker(group)
-
-    def load_checkpoint(self, checkpoint: Path) -> None:
-        super().load_checkpoint(checkpoint)
-        self.last_checkpoint = checkpoint
-
-    def save_checkpoint(self) -> None:
-        super().save_checkpoint()
-        self.last_checkpoint = self.checkpoints.root / CheckpointManager.tag(self.global_step)
 
     def fit(self) -> None:
         restarts = 0

@@ -1,16 +1,23 @@
-"""Checkpoint directories that a crash mid-save cannot corrupt.
+"""Checkpoint directories that a crash mid-save cannot corrupt, and that a damaged disk
+cannot make a resume trust.
 
 Layout under <output_dir>/checkpoints/:
     global_step_<N>/      engine shards (DeepSpeed) + trainer_state_rank<r>.pt per rank
+                          + manifest.json (every file's size; sha256 of hpsft's own files)
     latest                the name of the newest complete checkpoint, replaced atomically
 
-A save goes to `global_step_<N>.partial/`, is renamed once every rank has written its
-part, and only then does `latest` move: an interrupted save leaves the previous
-checkpoint as the one a resume picks up.
+A save goes to `global_step_<N>.partial/`; once every rank has written its part, rank 0
+writes the manifest, syncs everything to disk, renames the folder, and only then moves
+`latest`: an interrupted save leaves the previous checkpoint as the one a resume picks up.
+On resume, a checkpoint whose files do not match its manifest is reported and the
+previous intact one is used.
 """
 
+import hashlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +27,78 @@ from hpsft.errors import UserInputError
 
 STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"
+MANIFEST = "manifest.json"
+RANK_STATE_PREFIX = "trainer_state_rank"
+
+
+def warn(message: str) -> None:
+    print(f"hpsft: warning: {message}", file=sys.stderr, flush=True)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's (its entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Replace `path` atomically with `text`, on disk before this returns."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Sizes of every file in `folder` and checksums of hpsft's own state files (DeepSpeed's
+    shards are large: their size catches a truncated write), each file synced to disk first."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fsync_path(path)
+        entry = {"size": path.stat().st_size}
+        if path.name.startswith(RANK_STATE_PREFIX):
+            entry["sha256"] = sha256(path)
+        files[path.relative_to(folder).as_posix()] = entry
+    write_durably(folder / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """What is wrong with a committed checkpoint, or None when its files match its manifest."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (an interrupted save, or written by an hpsft without manifests)"
+    except (ValueError, KeyError):
+        return f"{MANIFEST} is unreadable"
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["size"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {entry['size']}"
+        if "sha256" in entry and sha256(path) != entry["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def step_of(name: str) -> int | None:
+    """N for a committed `global_step_<N>` folder name, else None."""
+    number = name.removeprefix(STEP_PREFIX)
+    return int(number) if name.startswith(STEP_PREFIX) and number.isdigit() else None
 
 
 class CheckpointManager:
@@ -34,7 +113,7 @@ class CheckpointManager:
         return self.tag(step) + PARTIAL_SUFFIX
 
     def rank_state_path(self, tag: str, rank: int) -> Path:
-        return self.root / tag / f"trainer_state_rank{rank}.pt"
+        return self.root / tag / f"{RANK_STATE_PREFIX}{rank}.pt"
 
     def save_rank_state(self, step: int, rank: int, state: dict) -> None:
         path = self.rank_state_path(self.partial_tag(step), rank)
@@ -44,29 +123,67 @@ class CheckpointManager:
     def commit(self, step: int) -> Path:
         """Rank 0, after every rank finished writing: publish the checkpoint."""
         partial, final = self.root / self.partial_tag(step), self.root / self.tag(step)
+        write_manifest(partial)
+        fsync_path(partial)
         if final.exists():  # a re-save of the same step (e.g. the end of a resumed run)
             shutil.rmtree(final)
         os.replace(partial, final)
-        fd, tmp = tempfile.mkstemp(prefix="latest.", dir=self.root)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.tag(step) + "\n")
-        os.replace(tmp, self.root / "latest")
+        fsync_path(self.root)
+        write_durably(self.root / "latest", self.tag(step) + "\n")
         return final
 
+    def committed(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every committed checkpoint, newest first (manifests unchecked)."""
+        if not self.root.is_dir():
+            return []
+        found = [(step_of(p.name), p) for p in self.root.iterdir() if p.is_dir()]
+        return sorted(((step, p) for step, p in found if step is not None), reverse=True)
+
+    def prune(self, keep_last: int, current_step: int) -> None:
+        """Rank 0, after a commit: remove crashed saves' `.partial` folders and, when
+        `keep_last` > 0, the checkpoints before the newest `keep_last` up to `current_step`
+        (just committed and verified by its manifest, so never removed). Later steps, left by
+        a run this one went back on with trainer.resume=<path>, are not touched."""
+        for path in self.root.glob(f"{STEP_PREFIX}*{PARTIAL_SUFFIX}"):
+            shutil.rmtree(path)
+        if keep_last:
+            older = [p for step, p in self.committed() if step <= current_step][keep_last:]
+            for path in older:
+                shutil.rmtree(path)
+
     def latest(self) -> Path | None:
+        """The checkpoint a resume should load: the one `latest` names, or, when it is
+        missing or damaged, the newest intact one before it (each skip reported)."""
         marker = self.root / "latest"
         if not marker.is_file():
             return None
-        path = self.root / marker.read_text().strip()
-        if not path.is_dir():
-            raise UserInputError(f"{marker} names {path.name}, which does not exist")
-        return path
+        name = marker.read_text().strip()
+        newest = step_of(name)
+        if newest is None:
+            raise UserInputError(f"{marker} names {name!r}, which is not a {STEP_PREFIX}<N> checkpoint")
+        if not (self.root / name).is_dir():
+            warn(f"{marker} names {name}, which does not exist: looking for an earlier checkpoint")
+        for step, path in self.committed():
+            if step > newest:
+                continue
+            problem = manifest_problem(path)
+            if problem is None:
+                return path
+            warn(f"checkpoint {path} is damaged ({problem}): skipped, trying an earlier one")
+        raise UserInputError(
+            f"no intact checkpoint up to {name} in {self.root}: resume from another run with "
+            "trainer.resume=<checkpoint>, or start over with trainer.resume=disable trainer.overwrite_output_dir=true"
+        )
 
     @staticmethod
     def resolve(path: str | Path) -> Path:
         """A checkpoint given by the user: a global_step_<N> folder or a run's output_dir."""
         path = Path(path)
         if path.name.startswith(STEP_PREFIX) and path.is_dir():
+            problem = manifest_problem(path)
+            if problem is not None:
+                raise UserInputError(f"trainer.resume={path}: the checkpoint is damaged ({problem}); "
+                                     "give an earlier one, or the run's output_dir to pick the newest intact one")
             return path
         latest = CheckpointManager(path).latest()
         if latest is None:
@@ -75,7 +192,7 @@ class CheckpointManager:
 
     @staticmethod
     def load_rank_state(checkpoint: Path, rank: int) -> dict:
-        path = checkpoint / f"trainer_state_rank{rank}.pt"
+        path = checkpoint / f"{RANK_STATE_PREFIX}{rank}.pt"
         if not path.is_file():
             raise UserInputError(
                 f"{path} is missing: the checkpoint was written by fewer processes than this run has; "

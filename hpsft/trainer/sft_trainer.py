@@ -19,10 +19,13 @@ from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.dataset import SFTDataset, TokenizeOptions, chat_template_text, load_or_tokenize
-from hpsft.errors import UserInputError
+from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
 from hpsft.trainer.checkpoint import CheckpointManager
+from hpsft.trainer.nonfinite import SkippedSteps, nan_gradient_loss, nan_gradient_steps
+from hpsft.trainer.preemption import PreemptionWatch
+from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem
 from hpsft.workers import TrainingWorker
 
 
@@ -56,6 +59,8 @@ class SFTTrainer:
     def __init__(self, config: SFTConfig):
         self.config = config
         self.rank, self.world_size, self.dp_size = self.place_process()
+        self.run_dir = Path(config.trainer.output_dir)
+        self.check_output_dir()
         seed_everything(config.trainer.seed)
         data = config.data
         if data.train_batch_size % self.dp_size:
@@ -75,15 +80,20 @@ class SFTTrainer:
         self.total_steps = self.count_total_steps()
 
         self.worker = self.build_worker()
+        self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
+        self.nan_gradient_steps = nan_gradient_steps()  # a test hook: empty in real runs
 
-        # Everything that can fail on bad input has run: only now does the run directory appear.
-        self.run_dir = Path(config.trainer.output_dir)
+        # Everything that can fail on bad input has run: only now does the run directory appear
+        # (and a previous run's outputs go, when the user asked for that).
         self.checkpoints = CheckpointManager(self.run_dir)
         if self.rank == 0:
+            if config.trainer.overwrite_output_dir:
+                clear_previous_run(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(config))
         distributed.barrier()
         self.global_step, self.epoch = 0, 0
+        self.last_checkpoint: Path | None = None  # the newest this run saved or resumed from
         self.resume()
         self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
 
@@ -130,11 +140,23 @@ class SFTTrainer:
 
     # ---- checkpoints -------------------------------------------------------------------
 
+    def check_output_dir(self) -> None:
+        """Before anything slow: a fresh run may not mix into another run's outputs."""
+        trainer_cfg = self.config.trainer
+        if trainer_cfg.resume != "disable":
+            return
+        problem = distributed.on_rank0_then_share(
+            lambda: fresh_start_problem(self.run_dir, trainer_cfg.overwrite_output_dir))
+        if problem is not None:
+            raise UserInputError(problem)
+
     def resume(self) -> None:
         mode = self.config.trainer.resume
         if mode == "disable":
             return
-        checkpoint = self.checkpoints.latest() if mode == "auto" else CheckpointManager.resolve(mode)
+        find = self.checkpoints.latest if mode == "auto" else lambda: CheckpointManager.resolve(mode)
+        # Rank 0 checks the manifests and reports a damaged checkpoint once; all load its choice.
+        checkpoint = distributed.on_rank0_then_share(find)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint)
 
@@ -148,9 +170,11 @@ class SFTTrainer:
             )
         self.worker.load_checkpoint(str(checkpoint.parent), checkpoint.name)
         self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.skipped_steps.total = state.get("skipped_steps", 0)
         self.sampler.set_epoch(self.epoch)
         self.train_loader.load_state_dict(state["dataloader"])
         set_rng_state(state["rng"])
+        self.last_checkpoint = checkpoint
         if self.rank == 0:
             print(f"resumed from {checkpoint} at step {self.global_step}", flush=True)
 
@@ -162,13 +186,16 @@ class SFTTrainer:
             "epoch": self.epoch,
             "mode": self.checkpoint_mode,
             "dp_size": self.dp_size,
+            "skipped_steps": self.skipped_steps.total,
             "dataloader": self.train_loader.state_dict(),
             "rng": rng_state(),
         })
         distributed.barrier()
         if self.rank == 0:
             self.checkpoints.commit(step)
+            self.checkpoints.prune(self.config.trainer.keep_last_checkpoints, step)
         distributed.barrier()
+        self.last_checkpoint = self.checkpoints.root / CheckpointManager.tag(step)
 
     # ---- loop --------------------------------------------------------------------------
 
@@ -227,6 +254,15 @@ class SFTTrainer:
                 yield batch
             self.epoch += 1
 
+    def train_step(self, batch) -> dict:
+        if self.global_step + 1 not in self.nan_gradient_steps:
+            return self.worker.train_batch(batch)
+        self.worker.set_loss_fn(nan_gradient_loss)  # the test hook of hpsft/trainer/nonfinite.py
+        try:
+            return self.worker.train_batch(batch)
+        finally:
+            self.worker.reset()
+
     def fit(self) -> None:
         trainer_cfg = self.config.trainer
         progress = tqdm(
@@ -235,24 +271,34 @@ class SFTTrainer:
         )
         last_step = min(self.total_steps, trainer_cfg.stop_at_step or self.total_steps)
         batches = self.batches()
-        while self.global_step < last_step:
-            batch = next(batches)
-            start = time.perf_counter()
-            out = self.worker.train_batch(batch)
-            self.global_step += 1
-            metrics = self.step_metrics(out, time.perf_counter() - start)
-            progress.update(1)
-            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            final = self.global_step == last_step
-            if self.val_dataset is not None and (trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final):
-                metrics["val/loss"] = self.validate()
-            if self.tracker and (self.global_step % trainer_cfg.log_every == 0 or "val/loss" in metrics or final):
-                self.tracker.log(metrics, self.global_step)
-            if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final:
-                self.save_checkpoint()
-        progress.close()
+        preempted = False
+        with PreemptionWatch() as preemption:
+            while self.global_step < last_step and not preempted:
+                batch = next(batches)
+                start = time.perf_counter()
+                out = self.train_step(batch)
+                self.global_step += 1
+                metrics = self.step_metrics(out, time.perf_counter() - start)
+                self.skipped_steps.record(out["grad_norm"])  # the same global norm on every rank
+                metrics["train/skipped_steps"] = self.skipped_steps.total
+                progress.update(1)
+                progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                preempted = preemption.stop_agreed()
+                final = self.global_step == last_step
+                if self.val_dataset is not None and not preempted and (
+                        trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final):
+                    metrics["val/loss"] = self.validate()
+                if self.tracker and (self.global_step % trainer_cfg.log_every == 0 or "val/loss" in metrics
+                                     or final or preempted):
+                    self.tracker.log(metrics, self.global_step)
+                self.skipped_steps.check(self.global_step, self.last_checkpoint)
+                if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final or preempted:
+                    self.save_checkpoint()
+            progress.close()
+            if self.tracker:
+                self.tracker.close()
+            if preempted:  # still watching: the entry point ignores further signals from here on
+                raise Preempted(self.global_step, self.last_checkpoint)
         if trainer_cfg.export_hf and self.global_step == self.total_steps:
             self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer)
             distributed.barrier()
-        if self.tracker:
-            self.tracker.close()

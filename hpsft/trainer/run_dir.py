@@ -1,0 +1,38 @@
+"""What a previous run left in an output directory, and clearing it when the user asks.
+
+A fresh run (trainer.resume=disable) into a directory that holds another run's
+checkpoints or metrics would interleave the two: the old `latest` would be resumed by a
+later re-run, and metrics.jsonl would hold both curves. It is refused unless
+trainer.overwrite_output_dir=true, which deletes those outputs (nothing else) first.
+"""
+
+import shutil
+from pathlib import Path
+
+# Everything a run writes into its output_dir besides config.yaml, which every run rewrites.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "hf")
+
+
+def previous_run_outputs(run_dir: Path) -> list[Path]:
+    return [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def fresh_start_problem(run_dir: Path, overwrite: bool) -> str | None:
+    """Why a run with trainer.resume=disable may not start in `run_dir`, or None."""
+    found = previous_run_outputs(run_dir)
+    if not found or overwrite:
+        return None
+    return (
+        f"trainer.output_dir={run_dir} already holds a run ({', '.join(p.name for p in found)}) and "
+        "trainer.resume=disable would mix this one into it: continue it with trainer.resume=auto, "
+        "choose another trainer.output_dir, or set trainer.overwrite_output_dir=true to delete its "
+        "checkpoints and metrics first"
+    )
+
+
+def clear_previous_run(run_dir: Path) -> None:
+    for path in previous_run_outputs(run_dir):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()

@@ -1,0 +1,208 @@
+"""Runs that survive what clusters do to them, through the real CLI in fresh processes:
+checkpoint rotation, resume past damaged checkpoints, no mixing of a fresh run into an
+old one, preemption by a signal, steps with non-finite gradients. Every recovered run is compared with an uninterrupted one."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, base_overrides, cli_command, read_metrics, run_cli, train_env
+from tests.test_spmd_training import assert_ok, rel_diff
+
+
+def checkpoint_names(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("global_step_"))
+
+
+def assert_same_losses(straight, recovered, steps):
+    a = {m["step"]: m for m in read_metrics(straight)}
+    b = {m["step"]: m for m in read_metrics(recovered)}  # a re-run step counts with its last record
+    for step in steps:
+        assert a[step]["train/tokens"] == b[step]["train/tokens"], step
+        assert rel_diff(a[step]["train/loss"], b[step]["train/loss"]) < 1e-6, step
+
+
+@pytest.mark.slow
+def test_rotation_and_resume_past_damaged_checkpoints(tmp_path, model_path, tiny_data):
+    """keep_last_checkpoints=3 over 4 saves keeps steps 2-4; with step 4's manifest gone and a
+    shard of step 3 truncated, the resume warns about both, goes on from step 2, and its
+    losses equal the uninterrupted run's."""
+    train, _ = tiny_data
+    common = {"data.train_batch_size": 4, "trainer.total_steps": 5, "trainer.export_hf": "false"}
+    straight, rotated = tmp_path / "straight", tmp_path / "rotated"
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, straight, **common)))
+
+    rotating = {**common, "trainer.save_every": 1, "trainer.keep_last_checkpoints": 3}
+    (rotated / "checkpoints" / "global_step_1.partial").mkdir(parents=True)  # left by a crashed save
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, rotated, **rotating,
+                                                    **{"trainer.stop_at_step": 4})))
+    assert checkpoint_names(rotated) == ["global_step_2", "global_step_3", "global_step_4"]
+    assert not list((rotated / "checkpoints").glob("*.partial"))
+
+    (rotated / "checkpoints" / "global_step_4" / "manifest.json").unlink()
+    shard = max((rotated / "checkpoints" / "global_step_3").glob("*.pt"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, rotated, **rotating))
+    assert_ok(proc)
+    assert "hpsft: warning: checkpoint" in proc.stderr and "global_step_4 is damaged (no manifest.json" in proc.stderr
+    assert f"global_step_3 is damaged ({shard.name} has" in proc.stderr
+    assert "resumed from" in proc.stdout and "global_step_2 at step 2" in proc.stdout
+    assert_same_losses(straight, rotated, range(1, 6))
+    assert checkpoint_names(rotated) == ["global_step_3", "global_step_4", "global_step_5"]
+
+
+@pytest.mark.slow
+def test_a_fresh_run_into_an_old_run_directory_is_refused_unless_overwritten(tmp_path, model_path, tiny_data):
+    train, _ = tiny_data
+    out = tmp_path / "run"
+    (out / "checkpoints" / "global_step_7").mkdir(parents=True)  # what an earlier run left
+    (out / "checkpoints" / "latest").write_text("global_step_7\n")
+    (out / "metrics.jsonl").write_text('{"step": 7, "train/loss": 1.0}\n')
+    (out / "notes.txt").write_text("the user's own file")
+    fresh = {"trainer.resume": "disable", "trainer.total_steps": 1, "trainer.export_hf": "false"}
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, out, **fresh))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"hpsft: error: trainer.output_dir={out} already holds a run"), last_line
+    assert "trainer.overwrite_output_dir=true" in last_line and "Traceback" not in proc.stderr
+    assert (out / "checkpoints" / "global_step_7").is_dir()  # refused: nothing touched
+
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, out, **fresh, **{
+        "trainer.overwrite_output_dir": "true"})))
+    assert [m["step"] for m in read_metrics(out)] == [1]
+    assert checkpoint_names(out) == ["global_step_1"] and (out / "notes.txt").is_file()
+
+
+SIGNAL_TWICE = """
+import os, signal, sys
+from hpsft.trainer.preemption import PreemptionWatch
+
+with PreemptionWatch() as watch:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print("noted", watch.received, watch.stop_agreed(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("still alive after a second signal", flush=True)
+"""
+
+
+def test_first_signal_is_noted_and_a_second_one_kills_at_once():
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "noted True True", proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGTERM
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The PID of a rank that torchrun started (its child with RANK=<rank>)."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    for pid in map(int, children):
+        if f"\0RANK={rank}\0" in "\0" + Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
+            return pid
+    raise AssertionError(f"no rank {rank} among torchrun's children {children}")
+
+
+def wait_for_first_metrics(run_dir, proc, timeout_s: float = 400) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before its first step"
+        assert time.monotonic() < deadline, "no step within the time limit"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_saves_the_step_reached_by_all_and_the_resume_matches(tmp_path, model_path, tiny_data):
+    """SIGTERM to rank 1 only (after step 1 is logged, so during step 2): both ranks finish
+    the step, save it, exit 75; resuming gives the uninterrupted run's losses."""
+    train, _ = tiny_data
+    common = {"data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2, "trainer.total_steps": 4,
+              "trainer.export_hf": "false"}
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, straight, **common), nproc=2))
+
+    log = tmp_path / "stopped.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cli_command("hpsft.train", base_overrides(model_path, train, None, stopped, **common),
+                                            nproc=2), cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for_first_metrics(stopped, proc)
+            os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+            proc.wait(timeout=400)
+        finally:
+            proc.kill()
+    output = log.read_text()
+    reached = read_metrics(stopped)[-1]["step"]
+    assert reached == 2, output[-5000:]
+    assert (stopped / "checkpoints" / "latest").read_text().strip() == f"global_step_{reached}"
+    checkpoint = stopped / "checkpoints" / f"global_step_{reached}"
+    assert sorted(p.name for p in checkpoint.glob("trainer_state_rank*.pt")) == [
+        "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
+    assert (checkpoint / "manifest.json").is_file()
+    # Each rank exits 75, also the one still exiting when torchrun SIGTERMs it after the first
+    # one left; torchrun lists them in its failure summary and exits 1 itself.
+    exit_codes = dict(re.findall(r"rank\s*:\s*(\d) \(local_rank: \d\)\s*exitcode\s*:\s*(\S+)", output))
+    assert exit_codes == {"0": "75", "1": "75"}, output[-5000:]
+    assert output.count(f"hpsft: stopped by a signal (SIGTERM/SIGUSR1) after step {reached}") == 2
+
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, stopped, **common), nproc=2)
+    assert_ok(proc)
+    assert f"global_step_{reached} at step {reached}" in proc.stdout
+    assert_same_losses(straight, stopped, range(1, 5))
+
+
+def engine_tensors(checkpoint) -> dict:
+    """Every tensor of DeepSpeed's files in a checkpoint (weights, optimizer state), by path."""
+    found = {}
+
+    def walk(obj, path):
+        if torch.is_tensor(obj):
+            found[path] = obj
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(value, f"{path}/{key}")
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(value, f"{path}/{i}")
+
+    for path in sorted(checkpoint.glob("*.pt")):
+        if not path.name.startswith("trainer_state_rank"):
+            state = torch.load(path, weights_only=False, map_location="cpu")
+            walk(state, path.name)
+            if "lr_scheduler" in state:
+                found[f"{path.name}/lr_scheduler/last_epoch"] = torch.tensor(state["lr_scheduler"]["last_epoch"])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_nan_gradient_steps_are_skipped_counted_and_stop_the_run(tmp_path, model_path, tiny_data, zero_stage):
+    """NaN gradients in steps 2 and 3 (the test hook): step 2 leaves weights, optimizer
+    state and LR schedule exactly as step 1 saved them; step 3 is the second in a row with
+    trainer.max_skipped_steps=2 and stops the run, naming the last checkpoint."""
+    train, _ = tiny_data
+    out = tmp_path / "run"
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, out, **{
+        "data.train_batch_size": 4, "trainer.total_steps": 4, "trainer.save_every": 1,
+        "trainer.max_skipped_steps": 2, "engine.zero_stage": zero_stage, "trainer.export_hf": "false",
+    }), env={"HPSFT_TEST_NAN_GRADIENT_STEPS": "2,3"})
+    assert proc.returncode == 2, proc.stderr[-5000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("hpsft: error: steps 2-3 all had a non-finite gradient norm"), last_line
+    assert f"trainer.resume={out / 'checkpoints' / 'global_step_2'}" in last_line
+    metrics = read_metrics(out)
+    assert [m["train/skipped_steps"] for m in metrics] == [0, 1, 2]
+    assert metrics[0]["train/grad_norm"] > 0 and [m["train/grad_norm"] for m in metrics[1:]] == [None, None]
+    assert all(m["train/loss"] > 0 for m in metrics)  # the loss itself stays finite: only gradients are poisoned
+    assert checkpoint_names(out) == ["global_step_1", "global_step_2"]
+
+    before = engine_tensors(out / "checkpoints" / "global_step_1")
+    after = engine_tensors(out / "checkpoints" / "global_step_2")
+    assert before.keys() == after.keys() and any("exp_avg_sq" in k for k in before)
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, changed
