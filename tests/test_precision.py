@@ -62,7 +62,7 @@ def bf16_rows_reference(model_path, rows, total: int) -> dict:
     grads = {k: torch.zeros(p.shape, dtype=torch.float64) for k, p in model.named_parameters()}
     for row in rows:
         model.zero_grad()
-        (model(**row)[0] / total).backward()
+        (model(**row)["loss"] / total).backward()
         for k, p in model.named_parameters():
             grads[k] += p.grad.double()
     return grads

@@ -46,7 +46,7 @@ def one_step(config, rows: list[dict], global_loss_tokens: int) -> dict:
 
     engine.engine.step = read_grads_then_step  # this engine instance only
     result = engine.train_batch(rows, lambda out: token_mean_loss(out, global_loss_tokens))
-    loss_sum = torch.tensor(sum(float(o[0]) for o in result["outputs"]), dtype=torch.float64)
+    loss_sum = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]), dtype=torch.float64)
     dist.all_reduce(loss_sum)
     # DeepSpeed starts the master weights from the bf16 ones; after a step, fp32 masters hold
     # values bf16 cannot (bf16 masters would hold none).
