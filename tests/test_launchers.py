@@ -24,7 +24,13 @@ def launch(args: list[str], **env) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
-    output, _ = proc.communicate(timeout=timeout)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:  # a hung launcher must not outlive the test with its ranks
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
     assert proc.returncode == 0, output[-4000:]
     return output
 
