@@ -27,12 +27,17 @@ def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
     try:
         output, _ = proc.communicate(timeout=timeout)
     finally:  # a hung launcher must not outlive the test with its ranks
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
+        kill_tree(proc)
     assert proc.returncode == 0, output[-4000:]
     return output
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -80,12 +85,17 @@ def test_max_restarts_resumes_from_the_last_checkpoint_after_a_rank_is_killed(tm
     agent = launch(config(out_dir), NPROC="2", MAX_RESTARTS="1")
     metrics = out_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-        assert agent.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
-        time.sleep(0.5)
-    ranks = [p for p in psutil.Process(agent.pid).children(recursive=True) if "hpsft.train" in " ".join(p.cmdline())]
-    assert len(ranks) == 2
-    os.kill(ranks[-1].pid, signal.SIGKILL)
+    try:
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert agent.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(agent.pid).children(recursive=True)
+                 if "hpsft.train" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        os.kill(ranks[-1].pid, signal.SIGKILL)
+    except BaseException:
+        kill_tree(agent)
+        raise
     output = finish(agent)
     resumed = [line for line in output.splitlines() if line.startswith("resumed from ")]
     assert len(resumed) == 1, output[-4000:]
