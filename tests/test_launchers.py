@@ -75,8 +75,12 @@ def test_two_nodes_meeting_at_a_c10d_rendezvous_match_one_node(tmp_path, config,
     out_dir = tmp_path / "run"
     env = {"NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "test-2-nodes"}
     nodes = [launch(config(out_dir), **env) for _ in range(2)]
-    for node in nodes:
-        finish(node)
+    try:
+        for node in nodes:
+            finish(node)
+    finally:
+        for node in nodes:
+            kill_tree(node)
     assert_same_losses(losses(out_dir), one_node_losses)
 
 
