@@ -60,7 +60,8 @@ def config(tmp_path_factory, model_path, chat_rows):
 
     def overrides(out_dir):
         return base_overrides(model_path, train, None, out_dir, **{
-            "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.export_hf": "false"})
+            "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last_checkpoints": 2,
+            "trainer.export_hf": "false"})
     return overrides
 
 
