@@ -13,7 +13,7 @@ soft-capping and scaling, the MoE router loss) is redone here from `families.out
 import torch
 from torch import nn
 
-from hpsft.data.batch import target_mask
+from hpsft.data.batch import collate_jagged, packed_row, target_mask
 from hpsft.models.families import UnsupportedModel, longest_sliding_window, output_side
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 from hpsft.ops import varlen_linear_cross_entropy
@@ -82,7 +82,8 @@ class PackedCausalLM(nn.Module):
         if per_sequence:
             lengths = offsets.diff()
             sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-            nll = (-out.logprobs).new_zeros(lengths.numel()).index_add(0, sequence_of_row, -out.logprobs)
+            nll_rows = -out.logprobs
+            nll = nll_rows.new_zeros(lengths.numel()).index_add(0, sequence_of_row, nll_rows)
             targets = target_mask(loss_mask.bool(), offsets).long()
             return {"nll": nll, "n_tokens": torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)}
         loss = out.loss
@@ -158,17 +159,19 @@ def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
         vocab = lm.get_output_embeddings().weight.shape[0]
         g = torch.Generator().manual_seed(0)
         lengths = (max(longest_sliding_window(lm.config) + 8, 24), 9)
-        sequences = [torch.randint(0, vocab, (n,), generator=g).to(device) for n in lengths]
+        sequences = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+        row = packed_row(collate_jagged([
+            {"input_ids": ids, "loss_mask": torch.ones(len(ids), dtype=torch.bool), "index": i}
+            for i, ids in enumerate(sequences)
+        ]))
+        row = {name: tensor.to(device) for name, tensor in row.items()}
         packed = PackedCausalLM(lm)
-        offsets = torch.tensor([0, lengths[0], sum(lengths)], device=device)
-        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-        hidden, _ = packed.hidden_states(torch.cat(sequences)[None], position_ids, offsets)
-        loss_mask = torch.ones(sum(lengths), dtype=torch.bool, device=device)
-        out = packed.token_losses(hidden, torch.cat(sequences)[None], offsets, loss_mask, "none")
+        hidden, _ = packed.hidden_states(row["input_ids"], row["position_ids"], row["offsets"])
+        out = packed.token_losses(hidden, row["input_ids"], row["offsets"], row["loss_mask"], "none")
         # Row t - 1 predicts target token t: the op reports log-probabilities per predicting row.
-        predicting_rows = torch.nonzero(target_mask(loss_mask, offsets), as_tuple=True)[0] - 1
+        predicting_rows = torch.nonzero(target_mask(row["loss_mask"], row["offsets"]), as_tuple=True)[0] - 1
         ours = out.logprobs[predicting_rows].double()
-        reference = eager_reference_logprobs(lm, sequences)
+        reference = eager_reference_logprobs(lm, [ids.to(device) for ids in sequences])
     finally:
         lm.set_attn_implementation(implementation)
         lm.train(was_training)
