@@ -10,7 +10,7 @@ Teardown cancels this cluster's jobs, stops exactly the daemons it started (thei
 process groups, by PID) plus any leftover process carrying this cluster's marker
 variable in its environment (slurmstepd and job tasks, which leave the daemons' process
 groups), then removes the temp dir. Missing binaries skip the tests: install them with
-`.ci/install_slurm.sh`.
+`.ci/install_system_packages.sh`.
 """
 
 import getpass
@@ -242,7 +242,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 def slurm_cluster():
     missing = missing_binaries()
     if missing:
-        pytest.skip(f"Slurm/munge binaries not installed ({', '.join(missing)}): run .ci/install_slurm.sh")
+        pytest.skip(f"Slurm/munge binaries not installed ({', '.join(missing)}): run .ci/install_system_packages.sh")
     # A short path under /tmp: the munge socket path must stay under the 108-byte limit.
     cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="hpsft-slurm-")))
     try:

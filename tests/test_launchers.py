@@ -1,6 +1,7 @@
-"""scripts/train_torchrun.sh as users run it: two nodes simulated by two torchrun processes
-meeting at a c10d rendezvous on 127.0.0.1, and --max-restarts after a rank is killed. Both
-must reproduce a one-node 2-rank run's losses step by step."""
+"""The launch scripts as users run them, each reproducing a one-node 2-rank torchrun run's
+losses step by step: scripts/train_torchrun.sh with two nodes simulated by two torchrun
+processes meeting at a c10d rendezvous on 127.0.0.1, and with --max-restarts after a rank is
+killed; scripts/train_deepspeed.sh with a hostfile, its ranks started by pdsh over ssh."""
 
 import os
 import signal
@@ -13,13 +14,15 @@ import pytest
 
 from hpsft.distributed import free_port
 from tests.conftest import REPO, base_overrides, read_metrics, train_env
+from tests.ssh_server import ssh_server  # noqa: F401  (fixture)
 
-SCRIPT = REPO / "scripts" / "train_torchrun.sh"
+TORCHRUN = REPO / "scripts" / "train_torchrun.sh"
+DEEPSPEED = REPO / "scripts" / "train_deepspeed.sh"
 STEPS = 4
 
 
-def launch(args: list[str], **env) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(SCRIPT), *args], cwd=REPO, env={**train_env(), "PYTHON": sys.executable, **env},
+def launch(args: list[str], script=TORCHRUN, **env) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(script), *args], cwd=REPO, env={**train_env(), "PYTHON": sys.executable, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -106,4 +109,28 @@ def test_max_restarts_resumes_from_the_last_checkpoint_after_a_rank_is_killed(tm
     assert len(resumed) == 1, output[-4000:]
     resume_step = int(resumed[0].rsplit(" ", 1)[-1])
     assert 1 <= resume_step < STEPS, resumed
+    assert_same_losses(losses(out_dir), one_node_losses)
+
+
+def test_deepspeed_launcher_with_a_hostfile_starts_ranks_through_pdsh(tmp_path, config, one_node_losses,
+                                                                     ssh_server):  # noqa: F811
+    """localhost with 2 slots, reached over ssh as if it were another node (--force_multi:
+    with one host the launcher would otherwise start the ranks itself)."""
+    out_dir = tmp_path / "run"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    # pdsh-started ranks get only exported variables: PYTHON* by the launcher, the rest from this file.
+    ds_env = tmp_path / "deepspeed_env"
+    ds_env.write_text("".join(f"{k}={train_env()[k]}\n" for k in ("TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS",
+                                                                     "TOKENIZERS_PARALLELISM")))
+    env = {"HOSTFILE": str(hostfile), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "DS_ARGS": f"--force_multi --no_ssh_check --ssh_port {ssh_server.port}", "DS_ENV_FILE": str(ds_env),
+           "PDSH_SSH_ARGS_APPEND": " ".join(ssh_server.client_options())}
+    try:
+        output = finish(launch(config(out_dir), script=DEEPSPEED, **env))
+    finally:  # ranks started over ssh are not the launcher's children
+        for proc in psutil.process_iter(["cmdline"]):
+            if str(out_dir) in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+    assert "localhost: " in output, output[-3000:]  # pdsh prefixes each line with its host
     assert_same_losses(losses(out_dir), one_node_losses)
