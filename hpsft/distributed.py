@@ -15,17 +15,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def address_of(host: str) -> str:
+    """`host`'s IPv4 address, or the name itself when it does not resolve here."""
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except socket.gaierror:
+        return host
+
+
+def cuda_device_index() -> int:
+    """The GPU of this rank among the ones it sees: LOCAL_RANK when every rank of the node
+    sees all of its GPUs (--gpus-per-node, torchrun), 0 when the launcher gave each rank
+    its own single device (srun --gpus-per-task=1, Ray without NOSET_CUDA_VISIBLE_DEVICES)."""
+    local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): give each "
+                           "rank one GPU or all of the node's")
+    return local_rank
+
+
 def env_from_slurm() -> None:
     """srun starts one task per rank but sets no torch variables: derive them."""
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
     if "MASTER_ADDR" not in os.environ:
+        # The first node of the step (where task 0 runs), as an address: a short host name
+        # may not resolve, or resolve differently, on the other nodes' interfaces.
         nodes = subprocess.run(
-            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+            ["scontrol", "show", "hostnames", os.environ.get("SLURM_STEP_NODELIST", os.environ["SLURM_JOB_NODELIST"])],
             check=True, capture_output=True, text=True,
         ).stdout.split()
-        os.environ["MASTER_ADDR"] = nodes[0]
+        os.environ["MASTER_ADDR"] = address_of(nodes[0])
     # A port derived from the job id: every task computes the same one without talking.
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
@@ -47,7 +71,7 @@ def init_distributed(backend: str | None = None) -> None:
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(cuda_device_index())
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
 
 

@@ -107,7 +107,8 @@ SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+# cred_expire also delays a requeued job's restart (default 120 s): keep the tests quick.
+AuthInfo=socket={self.munge_socket},cred_expire=10
 # No cgroups here (containers, no systemd): track processes by parent PID, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -189,7 +190,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             proc = self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False, timeout=10)
             state = proc.stdout.strip()
             # Finished jobs either vanish from squeue or show a terminal state.
-            if proc.returncode == 0 and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            if proc.returncode == 0 and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"):
                 return self.job_state(job_id)
             time.sleep(0.5)
         self.run("scancel", job_id, check=False)

@@ -83,9 +83,52 @@ PROBE=srun srun --kill-on-bad-exit=1 {sys.executable} -c "$PROBE_CODE"
     job_id = slurm_cluster.run_with_env(env, "sbatch", "--parsable", "--ntasks=2", f"--chdir={REPO}",
                                         f"--output={log}", str(script)).stdout.strip().split(";")[0]
     # Before the fix the batch-step process blocked in rendezvous (30 min timeout).
-    state = slurm_cluster.wait_job(job_id, timeout=120)
+    state = slurm_cluster.wait_job(job_id, timeout=300)
     output = (tmp_path / f"probe-{job_id}.out").read_text(errors="replace")
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-4000:]}"
     lines = sorted(line for line in output.splitlines() if line.startswith(("batch ", "srun ")))
     assert lines == ["batch rank=0 world=1 master=127.0.0.1",
-                     "srun rank=0 world=2 master=localhost", "srun rank=1 world=2 master=localhost"], output
+                     "srun rank=0 world=2 master=127.0.0.1", "srun rank=1 world=2 master=127.0.0.1"], output
+
+
+@pytest.mark.slow
+def test_signal_checkpoints_requeues_and_resumes_the_identical_run(tmp_path, slurm_cluster, model_path,  # noqa: F811
+                                                                   tiny_data):
+    """What --signal=USR1@<s> does before the time limit, sent early with `scancel --signal`:
+    every task finishes its step, saves, exits 75; the template requeues the job, which
+    resumes from that checkpoint and ends with the losses of a run never interrupted."""
+    train, val = tiny_data
+    extra = {"engine.zero_stage": 2, "trainer.total_steps": 4, "trainer.export_hf": "false"}
+    slurm_out, torchrun_out = tmp_path / "slurm_run", tmp_path / "torchrun_run"
+    env = slurm_cluster.env(train_env())
+    env["HPSFT_PYTHON"] = sys.executable
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    log = tmp_path / "slurm-%j.out"
+    job_id = slurm_cluster.run_with_env(
+        env, "sbatch", "--parsable", "--ntasks=2", f"--chdir={REPO}", f"--output={log}", str(SBATCH_SCRIPT),
+        *base_overrides(model_path, train, val, slurm_out, **extra)).stdout.strip().split(";")[0]
+    metrics = slurm_out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, f"no step logged in 300 s\n{slurm_cluster.logs()}"
+        time.sleep(0.2)
+    slurm_cluster.run_with_env(env, "scancel", "--signal=USR1", job_id)
+    state = slurm_cluster.wait_job(job_id, timeout=400)
+    output = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-6000:]}\n{slurm_cluster.logs()}"
+    # One output file (--open-mode=append): the stopped run, the requeue, the resumed run.
+    assert "exit 75): requeueing job" in output, output[-6000:]
+    assert "restart=1" in output, output[-6000:]
+    resumed = [line for line in output.splitlines() if line.startswith("resumed from ")]
+    assert len(resumed) == 1, output[-6000:]
+    stop_step = int(resumed[0].rsplit(" ", 1)[-1])
+    assert 1 <= stop_step < 4, resumed
+
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, val, torchrun_out, **extra), nproc=2)
+    assert proc.returncode == 0, f"torchrun exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    reference = {m["step"]: m["train/loss"] for m in read_metrics(torchrun_out) if "train/loss" in m}
+    ours = {m["step"]: m["train/loss"] for m in read_metrics(slurm_out) if "train/loss" in m}
+    assert sorted(ours) == sorted(reference) == [1, 2, 3, 4]
+    for step, loss in reference.items():
+        assert rel_diff(ours[step], loss) < 1e-5, (step, ours[step], loss)

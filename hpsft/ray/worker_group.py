@@ -104,8 +104,9 @@ class RayWorkerGroup:
             "node_address_and_free_port", lambda actor: actor.node_address_and_free_port).get()[0]
         envs = [{
             "RANK": str(p.rank), "WORLD_SIZE": str(pool.world_size),
-            # Ray shows a GPU actor only its own GPU, which it therefore sees as device 0.
-            "LOCAL_RANK": "0" if pool.use_gpu else str(p.local_rank),
+            # A GPU actor sees only its own GPU unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+            # is set: distributed.cuda_device_index picks device 0 or LOCAL_RANK accordingly.
+            "LOCAL_RANK": str(p.local_rank),
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         } for p in placements]
         self.submit("build", lambda actor: actor.build, worker, PerRank(envs), backend).get()
