@@ -6,6 +6,7 @@ dashboard) and stops it by its PID.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,7 +269,9 @@ def wait_for_dashboard(url: str, head: subprocess.Popen, timeout: float = 120) -
 
 @pytest.mark.slow
 def test_ray_job_submit_to_a_local_head(tmp_path, model_path, data):
-    """scripts/ray_submit.sh against `ray start --head` (with its dashboard) writes a run."""
+    """scripts/ray_submit.sh against `ray start --head` (with its dashboard), from another
+    directory than the repository, uploads the repository as the job's working directory and
+    writes a run; an argument with spaces and brackets arrives intact."""
     train, _ = data
     dashboard = f"http://127.0.0.1:{free_port()}"
     env = {**train_env(), **RAY_ENV}
@@ -290,8 +293,9 @@ def test_ray_job_submit_to_a_local_head(tmp_path, model_path, data):
         for _ in range(30):  # the head's job agent comes up a little after its dashboard
             proc = subprocess.run(
                 [str(REPO / "scripts" / "ray_submit.sh"),
-                 *base_overrides(model_path, train, None, out, **RAY_WORKERS, **{"trainer.total_steps": 2})],
-                cwd=REPO, env={**env, "RAY_ADDRESS": dashboard, "PYTHON": sys.executable},
+                 *base_overrides(model_path, train, None, out, **RAY_WORKERS, **{
+                     "trainer.total_steps": 2, "trainer.loggers": "[jsonl, tensorboard]"})],
+                cwd=tmp_path, env={**env, "RAY_ADDRESS": dashboard, "PYTHON": sys.executable},
                 capture_output=True, text=True, timeout=600,
             )
             if "No available agent to submit job" not in proc.stderr:
@@ -302,6 +306,10 @@ def test_ray_job_submit_to_a_local_head(tmp_path, model_path, data):
         assert [m["step"] for m in read_metrics(out)] == [1, 2]
         assert (out / "config.yaml").is_file() and (out / "hf" / "model.safetensors").is_file()
         assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+        assert any((out / "tensorboard").iterdir())  # the list with a space reached the job whole
+        # The job ran the uploaded copy: Ray unpacked the repository into the head's temp dir.
+        assert list(Path(temp_dir).glob("**/working_dir_files/*/hpsft/train_ray.py")), "no uploaded working dir"
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops what it started
         head.wait(timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
