@@ -5,8 +5,10 @@ the same config under torchrun with 2 processes."""
 import sys
 import time
 
+import psutil
 import pytest
 
+from hpsft.distributed import free_port
 from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env
 from tests.slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
 
@@ -132,3 +134,29 @@ def test_signal_checkpoints_requeues_and_resumes_the_identical_run(tmp_path, slu
     assert sorted(ours) == sorted(reference) == [1, 2, 3, 4]
     for step, loss in reference.items():
         assert rel_diff(ours[step], loss) < 1e-5, (step, ours[step], loss)
+
+
+@pytest.mark.slow
+def test_ray_cluster_inside_an_allocation_runs_the_ray_path(tmp_path, slurm_cluster, model_path, tiny_data):  # noqa: F811
+    """scripts/ray_on_slurm.sbatch: a Ray head started by srun on the allocation's node, the
+    driver against it, the Ray cluster gone with the job."""
+    train, val = tiny_data
+    out = tmp_path / "ray_run"
+    env = slurm_cluster.env(train_env())
+    env.update(HPSFT_PYTHON=sys.executable, RAY_AUTH_MODE="disabled", RAY_PORT=str(free_port()))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
+        env.pop(key, None)
+    log = tmp_path / "ray-%j.out"
+    overrides = base_overrides(model_path, train, val, out, **{
+        "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5, "trainer.export_hf": "false"})
+    job_id = slurm_cluster.run_with_env(
+        env, "sbatch", "--parsable", "--nodes=1", "--cpus-per-task=2", f"--chdir={REPO}", f"--output={log}",
+        str(REPO / "scripts" / "ray_on_slurm.sbatch"), *overrides).stdout.strip().split(";")[0]
+    state = slurm_cluster.wait_job(job_id, timeout=400)
+    output = (tmp_path / f"ray-{job_id}.out").read_text(errors="replace")
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-6000:]}\n{slurm_cluster.logs()}"
+    assert f"Ray head on localhost (127.0.0.1:{env['RAY_PORT']}), 1 nodes" in output, output[-3000:]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+    leftover = [p.pid for p in psutil.process_iter(["cmdline"]) if env["RAY_PORT"] in " ".join(p.info["cmdline"] or [])]
+    assert not leftover, f"Ray processes of the job still running: {leftover}"
