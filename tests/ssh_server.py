@@ -12,7 +12,6 @@ import getpass
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
