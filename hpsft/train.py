@@ -14,7 +14,12 @@ USER_ERRORS = (ConfigError, UserInputError)
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m hpsft.train", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m hpsft.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  python -m hpsft.train --config configs/sft.yaml trainer.total_steps=100 optim.lr=1e-4\n"
+               "  torchrun --nproc_per_node 2 -m hpsft.train --config configs/sft.yaml engine.zero_stage=3\n"
+               "every key and its default: hpsft/config/schema.py")
     parser.add_argument("--config", default=None, help="YAML config file (e.g. configs/sft.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-5")
     # The deepspeed launcher appends --local_rank=N; the rank also arrives as LOCAL_RANK.

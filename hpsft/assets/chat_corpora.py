@@ -114,13 +114,14 @@ def build(out_dir: Path, val_fraction: float = 0.05, sharegpt: int = 0, seed: in
     return train_path, val_path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="hpsft prepare-data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--sharegpt", type=int, default=0, help="also take the first N ShareGPT conversations")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     train, val = build(args.out, args.val_fraction, args.sharegpt, args.seed)
     print(f"{train} ({pq.read_metadata(train).num_rows} rows)\n{val} ({pq.read_metadata(val).num_rows} rows)")
 

@@ -90,15 +90,16 @@ def cut_layers(full_dir: Path, out_dir: Path, num_layers: int) -> Path:
     return out_dir
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="hpsft prepare-model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="output HF folder")
     parser.add_argument("--num-layers", type=int, default=None, help="keep only the first K layers")
     parser.add_argument(
         "--full", type=Path, default=None,
         help="where the full converted model is cached (default: <out parent>/smollm2-135m)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.num_layers is None:
         print(convert(args.out))
     else:
