@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "export": ("hpsft.export", "any checkpoint -> a Hugging Face model folder"),
     "inspect-data": ("hpsft.inspect_data", "show what a config trains on: loss mask, lengths, refused rows"),
     "generate": ("hpsft.generate", "sample replies from a model folder or a run's export"),
+    "samples": ("hpsft.samples", "a run's replies before and after training, on held-out prompts"),
     "plot": ("hpsft.plot", "a run's metrics -> PNG charts (needs hpsft[plot])"),
     "prepare-data": ("hpsft.assets.chat_corpora", "build the default chat data from the packaged corpora"),
     "prepare-model": ("hpsft.assets.smollm2", "convert the packaged SmolLM2 GGUF to a Hugging Face folder"),

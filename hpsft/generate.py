@@ -26,6 +26,16 @@ def model_folder(path: Path) -> Path:
                          "(trainer.export_hf=true, or python -m hpsft.export a checkpoint)")
 
 
+def load_for_generation(folder: Path, trust_remote_code: bool = False):
+    """(model in fp32 on the GPU when there is one, its tokenizer) of a model folder."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(str(folder), trust_remote_code)
+    tokenizer = load_tokenizer(str(folder), trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), tokenizer
+
+
 @torch.no_grad()
 def generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                      system: str | None = None) -> list[str]:
@@ -56,14 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model folder")
     args = parser.parse_args(argv)
     try:
-        folder = check_model_path(str(model_folder(args.model)), args.trust_remote_code)
-        from transformers import AutoModelForCausalLM
-
+        model, tokenizer = load_for_generation(model_folder(args.model), args.trust_remote_code)
         torch.manual_seed(args.seed)
-        tokenizer = load_tokenizer(str(folder), args.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                     trust_remote_code=args.trust_remote_code)
-        model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
         for prompt, reply in zip(args.prompt, generate_replies(model, tokenizer, args.prompt, args.max_new_tokens,
                                                                args.temperature, args.system)):
             print(f"### user\n{prompt}\n### assistant\n{reply}\n", flush=True)

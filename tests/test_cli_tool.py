@@ -2,6 +2,7 @@
 files (the cut-down packaged model, real chat rows, a real 2-step run)."""
 
 import itertools
+import json
 import re
 import subprocess
 import sys
@@ -99,3 +100,15 @@ def test_prepare_data_reports_the_rows_it_wrote(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     for path, rows in re.findall(r"^(\S+\.parquet) \((\d+) rows\)$", proc.stdout, flags=re.M):
         assert pq.read_metadata(path).num_rows == int(rows) > 0
+
+
+def test_samples_writes_before_and_after_replies_on_held_out_prompts(run_dir, chat_rows):
+    proc = hpsft("samples", str(run_dir), "--n", "2", "--max-new-tokens", "6")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    # The run's validation file holds chat_rows[16:20]; each starts with a user turn.
+    assert [r["prompt"] for r in records] == [c[0]["content"] for c in chat_rows[16:18]]
+    assert [r["reference"] for r in records] == [c[1]["content"] for c in chat_rows[16:18]]
+    assert all(isinstance(r["before"], str) and isinstance(r["after"], str) for r in records)
+    text = (run_dir / "samples.md").read_text()
+    assert text.count("- before: ") == text.count("- after: ") == 2

@@ -9,8 +9,9 @@ trainer.overwrite_output_dir=true, which deletes those outputs (nothing else) fi
 import shutil
 from pathlib import Path
 
-# Everything a run writes into its output_dir besides config.yaml, which every run rewrites.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "hf")
+# Everything a run (and `hpsft samples`/`hpsft plot` on it) writes into its output_dir besides
+# config.yaml, which every run rewrites.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "hf", "samples.md", "samples.jsonl", "plots")
 
 
 def previous_run_outputs(run_dir: Path) -> list[Path]:
