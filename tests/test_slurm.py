@@ -2,7 +2,9 @@
 one-node cluster (tests/slurm_cluster.py), 2 tasks under srun, must train exactly like
 the same config under torchrun with 2 processes."""
 
+import shutil
 import sys
+import tempfile
 import time
 
 import psutil
@@ -143,7 +145,10 @@ def test_ray_cluster_inside_an_allocation_runs_the_ray_path(tmp_path, slurm_clus
     train, val = tiny_data
     out = tmp_path / "ray_run"
     env = slurm_cluster.env(train_env())
-    env.update(HPSFT_PYTHON=sys.executable, RAY_AUTH_MODE="disabled", RAY_PORT=str(free_port()))
+    # A temp dir of the job's own (short: Ray's socket paths must fit): the default /tmp/ray
+    # would keep a ray_current_cluster file that a later plain ray.init() tries to join.
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    env.update(HPSFT_PYTHON=sys.executable, RAY_AUTH_MODE="disabled", RAY_PORT=str(free_port()), RAY_TMPDIR=ray_tmp)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
         env.pop(key, None)
     log = tmp_path / "ray-%j.out"
@@ -160,3 +165,4 @@ def test_ray_cluster_inside_an_allocation_runs_the_ray_path(tmp_path, slurm_clus
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
     leftover = [p.pid for p in psutil.process_iter(["cmdline"]) if env["RAY_PORT"] in " ".join(p.info["cmdline"] or [])]
     assert not leftover, f"Ray processes of the job still running: {leftover}"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
