@@ -13,10 +13,11 @@ LOSS_RTOL = 1e-6  # fp32: measured below 2e-7 (the dp sizes sum gradients in oth
 
 def test_a_position_in_samples_gives_every_dp_size_the_same_remaining_steps():
     """From any whole-step position, the steps left in the epoch (the union of every rank's
-    batch) are the samples a straight 1-rank run consumes next."""
+    batch, or the Ray driver's global batch) are the samples a straight 1-rank run consumes next."""
     from torch.utils.data import BatchSampler
 
     from hpsft.data.sampler import PositionedDistributedSampler
+    from hpsft.ray.sampler import RankInterleavedSampler
 
     dataset, global_batch = list(range(19)), 4
 
@@ -29,12 +30,19 @@ def test_a_position_in_samples_gives_every_dp_size_the_same_remaining_steps():
         assert len({len(batches) for batches in per_rank}) == 1
         return [set().union(*step) for step in zip(*per_rank)]
 
+    def remaining_driver_steps(dp: int, epoch: int, position: int) -> list[set]:
+        driver = RankInterleavedSampler(dataset, dp, global_batch // dp, shuffle=True, seed=3)
+        driver.set_position(epoch, position)
+        return [set(batch) for batch in BatchSampler(driver, global_batch, drop_last=True)]
+
     for epoch in (0, 1):
         straight = remaining_steps(1, epoch, 0)
         assert len(straight) == 4 and straight != remaining_steps(1, 1 - epoch, 0)
         for dp in (1, 2, 4):
             for steps_done in range(5):
-                assert remaining_steps(dp, epoch, steps_done * global_batch) == straight[steps_done:], (dp, steps_done)
+                position = steps_done * global_batch
+                assert remaining_steps(dp, epoch, position) == straight[steps_done:], (dp, steps_done)
+                assert remaining_driver_steps(dp, epoch, position) == straight[steps_done:], (dp, steps_done)
 
 
 def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
