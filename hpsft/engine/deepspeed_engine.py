@@ -193,12 +193,23 @@ class DeepSpeedEngine(TrainEngine):
             print(f"hpsft: {tag} has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks: converted to "
                   f"DeepSpeed's universal checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
         dist.barrier()
+        torch_optimizer = self.engine.optimizer.optimizer
+        weight_decays = [group["weight_decay"] for group in torch_optimizer.param_groups]
         # DeepSpeed reads this flag of its config at load time only; it has no per-call argument.
         self.engine._config.load_universal_checkpoint = True
         try:
             self.load_native_checkpoint(root, universal.name)
         finally:
             self.engine._config.load_universal_checkpoint = False
+        # Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load, undone: every param group gets
+        # the first group's hyperparameters (ours differ in weight decay only, see param_groups),
+        # and every sub-group's state gets the same `step` tensor object, which torch's AdamW
+        # then advances once per sub-group and step (wrong bias correction from the next step on).
+        for group, weight_decay in zip(torch_optimizer.param_groups, weight_decays):
+            group["weight_decay"] = weight_decay
+        for state in torch_optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
         dist.barrier()
         if self.dp_rank == 0:
             shutil.rmtree(universal)
