@@ -5,8 +5,9 @@ The driver is a single process outside torch.distributed (rank 0 of a world of o
 loads whole global batches (the same sequences per step as the SPMD ranks together) and
 hands them to DataParallelWorker, which shards them over the group. Checkpoints: the
 workers write their engine shards, the driver the trainer state (step, data position in
-samples, RNG), as SPMD's rank 0 does: either kind of run resumes the other's. A dead worker stops the run with an error naming its rank; with
-ray.max_restarts > 0 the driver builds a new group and goes on from the last checkpoint.
+samples, RNG), as SPMD's rank 0 does: either kind of run resumes the other's. A dead
+worker stops the run with an error naming its rank; with ray.max_restarts > 0 the driver
+builds a new group and goes on from the last checkpoint.
 """
 
 from hpsft.config import SFTConfig

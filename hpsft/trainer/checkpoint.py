@@ -3,7 +3,8 @@ cannot make a resume trust.
 
 Layout under <output_dir>/checkpoints/:
     global_step_<N>/      engine shards (DeepSpeed) + trainer_state.pt (step, data position
-                          in samples, RNG; the same for any dp size) + manifest.json (every file's size; sha256 of hpsft's own files)
+                          in samples, RNG; the same for any dp size) + manifest.json
+                          (every file's size; sha256 of hpsft's own file)
     latest                the name of the newest complete checkpoint, replaced atomically
 
 A save goes to `global_step_<N>.partial/`; once every rank has written its part, rank 0
