@@ -26,7 +26,8 @@ UNIVERSAL_SUFFIX = ".universal"
 
 
 def to_universal(checkpoint: Path, out: Path) -> None:
-    """DeepSpeed's ds_to_universal, in this process (one worker: no process pool), quiet."""
+    """DeepSpeed's ds_to_universal, in this process (one worker: no process pool), quiet,
+    without the `latest_universal` marker it also writes beside `out` (nothing reads it here)."""
     from argparse import Namespace
 
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
@@ -35,6 +36,7 @@ def to_universal(checkpoint: Path, out: Path) -> None:
                      num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal(args)
+    (out.parent / "latest_universal").unlink()
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float):
