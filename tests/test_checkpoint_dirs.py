@@ -11,8 +11,8 @@ from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem
 
 
 def save(manager: CheckpointManager, step: int, shard_bytes: int = 1000):
-    """What a save leaves: a rank state, an engine shard, then rank 0's commit."""
-    manager.save_rank_state(step, 0, {"global_step": step})
+    """What a save leaves: the trainer state, an engine shard, then rank 0's commit."""
+    manager.save_trainer_state(step, {"global_step": step})
     (manager.root / manager.partial_tag(step) / "model_states.pt").write_bytes(b"x" * shard_bytes)
     return manager.commit(step)
 
@@ -22,7 +22,7 @@ def test_commit_writes_a_manifest_and_moves_latest(tmp_path):
     folder = save(manager, 3)
     files = json.loads((folder / "manifest.json").read_text())["files"]
     assert files["model_states.pt"] == {"size": 1000}  # engine shards: size only
-    assert files["trainer_state_rank0.pt"]["size"] > 0 and len(files["trainer_state_rank0.pt"]["sha256"]) == 64
+    assert files["trainer_state.pt"]["size"] > 0 and len(files["trainer_state.pt"]["sha256"]) == 64
     assert (manager.root / "latest").read_text() == "global_step_3\n"
     assert manager.latest() == folder
 
@@ -47,7 +47,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     expected = {
         "truncated_shard": "model_states.pt has 10 bytes, the manifest says 1000",
         "missing_manifest": "no manifest.json",
-        "state_checksum": "trainer_state_rank0.pt does not match its checksum",
+        "state_checksum": "trainer_state.pt does not match its checksum",
         "latest_missing": "latest names global_step_2, which does not exist",
     }[damage]
     if damage == "truncated_shard":
@@ -55,7 +55,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     elif damage == "missing_manifest":
         (newest / "manifest.json").unlink()
     elif damage == "state_checksum":  # same size, one byte changed
-        state = newest / "trainer_state_rank0.pt"
+        state = newest / "trainer_state.pt"
         data = bytearray(state.read_bytes())
         data[-1] ^= 1
         state.write_bytes(bytes(data))

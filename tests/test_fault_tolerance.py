@@ -141,8 +141,8 @@ def test_sigterm_to_one_rank_saves_the_step_reached_by_all_and_the_resume_matche
     assert reached == 2, output[-5000:]
     assert (stopped / "checkpoints" / "latest").read_text().strip() == f"global_step_{reached}"
     checkpoint = stopped / "checkpoints" / f"global_step_{reached}"
-    assert sorted(p.name for p in checkpoint.glob("trainer_state_rank*.pt")) == [
-        "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
+    assert sorted(p.name for p in checkpoint.glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert (checkpoint / "manifest.json").is_file()
     # Each rank exits 75, also the one still exiting when torchrun SIGTERMs it after the first
     # one left; torchrun lists them in its failure summary and exits 1 itself.
@@ -171,7 +171,7 @@ def engine_tensors(checkpoint) -> dict:
                 walk(value, f"{path}/{i}")
 
     for path in sorted(checkpoint.glob("*.pt")):
-        if not path.name.startswith("trainer_state_rank"):
+        if path.name != "trainer_state.pt":
             state = torch.load(path, weights_only=False, map_location="cpu")
             walk(state, path.name)
             if "lr_scheduler" in state:

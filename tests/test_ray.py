@@ -99,7 +99,7 @@ def test_driver_batches_are_the_spmd_ranks_batches_together():
     driver = RankInterleavedSampler(dataset, dp, per_rank, shuffle=True, seed=5)
     ranks = [DistributedSampler(dataset, dp, r, shuffle=True, seed=5, drop_last=True) for r in range(dp)]
     for epoch in (0, 1):
-        driver.set_epoch(epoch)
+        driver.set_position(epoch, 0)
         for sampler in ranks:
             sampler.set_epoch(epoch)
         order = list(driver)
@@ -150,7 +150,7 @@ def test_ray_matches_spmd(tmp_path, model_path, data, ray_address):
     checkpoint = on_ray / "checkpoints" / "global_step_3"
     assert sorted(p.name for p in checkpoint.glob("*optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert [p.name for p in checkpoint.glob("trainer_state_*.pt")] == ["trainer_state_rank0.pt"]
+    assert [p.name for p in checkpoint.glob("trainer_state*.pt")] == ["trainer_state.pt"]
 
 
 ZERO3 = {"engine.zero_stage": 3, "data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2,
@@ -175,6 +175,28 @@ def test_zero3_checkpoint_resumed_by_a_new_driver(tmp_path, model_path, data, ze
     for step in (3, 4):
         assert rel_diff(straight[step]["train/loss"], again[step]["train/loss"]) <= 1e-6, step
     assert max_rel_weight_diff(weights(zero3_run), weights(resumed)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_ray_checkpoint_resumes_under_torchrun_and_back(tmp_path, model_path, data, zero3_run):
+    """Ray's step-2 checkpoint -> torchrun (2 ranks) trains step 3 and saves it -> a Ray driver
+    resumes that and trains step 4: every step's loss and the final weights are the
+    uninterrupted Ray run's (1e-5: the two paths give their ranks other shards of a batch)."""
+    train, val = data
+    out = tmp_path / "run"
+    checkpoint = zero3_run / "checkpoints" / "global_step_2"
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, val, out, **{
+        **ZERO3, "trainer.resume": checkpoint, "trainer.stop_at_step": 3, "trainer.save_every": 1}), nproc=2)
+    assert_ok(proc)
+    assert f"resumed from {checkpoint} at step 2 (written by a ray run with 2 data-parallel ranks, now 2)" in proc.stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_3"
+    run_driver(ray_config(model_path, data, out, **ZERO3))
+    straight, resumed = last_per_step(zero3_run), last_per_step(out)
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step]["train/tokens"] == straight[step]["train/tokens"], step
+        assert rel_diff(straight[step]["train/loss"], resumed[step]["train/loss"]) <= 1e-5, step
+    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-5
 
 
 def kill_a_worker_after_step(step: int, record: dict):

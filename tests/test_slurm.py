@@ -47,13 +47,13 @@ def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, model_pa
     assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-6000:]}\n{slurm_cluster.logs()}"
     slurm_seconds = time.monotonic() - t0
 
-    # 2 ranks really ran under srun: one trainer state per rank in the final checkpoint.
+    # 2 ranks really ran under srun: one ZeRO optimizer shard per rank in the final checkpoint.
     assert f"hpsft: job {job_id} nodes=localhost tasks=2" in output
     metrics = read_metrics(slurm_out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert (slurm_out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
-    assert sorted(p.name for p in (slurm_out / "checkpoints" / "global_step_2").glob("trainer_state_rank*.pt")) == [
-        "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
+    assert sorted(p.name for p in (slurm_out / "checkpoints" / "global_step_2").glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
     # The same config under torchrun, 2 processes: the same first loss.
     proc = run_cli("hpsft.train", base_overrides(model_path, train, val, torchrun_out, **extra), nproc=2)

@@ -49,8 +49,8 @@ def test_zero_stage_trains_two_ranks_and_exports(tmp_path, model_path, chat_rows
     assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5, losses
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_4"
-    assert sorted(p.name for p in (out / "checkpoints" / "global_step_4").glob("trainer_state_rank*.pt")) == [
-        "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
+    assert sorted(p.name for p in (out / "checkpoints" / "global_step_4").glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     check = json.loads((out / "export_check.json").read_text())
     assert check["max_rel_logit_diff"] < 1e-5
     assert "<|im_start|>" in check["chat_template"]

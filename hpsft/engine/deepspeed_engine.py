@@ -8,14 +8,35 @@ normalises (by the token count of the whole step) inside its loss.
 """
 
 import contextlib
+import io
 import math
+import shutil
+import time
+from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from torch import nn
 
 from hpsft.engine.base import TrainEngine
+
+UNIVERSAL_SUFFIX = ".universal"
+
+
+def to_universal(checkpoint: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal, in this process (one worker: no process pool), quiet,
+    without the `latest_universal` marker it also writes beside `out` (nothing reads it here)."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    args = Namespace(input_folder=str(checkpoint), output_folder=str(out), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal(args)
+    (out.parent / "latest_universal").unlink()
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float):
@@ -145,12 +166,55 @@ class DeepSpeedEngine(TrainEngine):
         return [detached(self.engine(**self.to_device(mb))) for mb in micro_batches]
 
     def save_checkpoint(self, root: str, tag: str) -> None:
-        self.engine.save_checkpoint(root, tag=tag, save_latest=False)
+        # ds_to_universal requires this key (model-parallel slicing patterns: none here).
+        self.engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: {}}, save_latest=False)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
+        """Load a checkpoint written with any data-parallel size. ZeRO 1-3 keep one optimizer
+        shard per dp rank: written by another dp size, the checkpoint is first converted to
+        DeepSpeed's universal (per-parameter, dp-independent) form, then loaded from it."""
+        saved_dp_size = len(list((Path(root) / tag).glob("*optim_states.pt")))  # 0 without ZeRO
+        if saved_dp_size in (0, self.dp_size):
+            self.load_native_checkpoint(root, tag)
+        else:
+            self.load_resharded_checkpoint(root, tag, saved_dp_size)
+
+    def load_native_checkpoint(self, root: str, tag: str) -> None:
         path, _ = self.engine.load_checkpoint(root, tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
+
+    def load_resharded_checkpoint(self, root: str, tag: str, saved_dp_size: int) -> None:
+        # Rank 0 converts into a sibling folder (its name is no global_step_<N>: never resumed
+        # from, nor rotated); every rank then reads its new partition from it; it goes at the end.
+        universal = Path(root) / f"{tag}{UNIVERSAL_SUFFIX}"
+        if self.dp_rank == 0:
+            shutil.rmtree(universal, ignore_errors=True)  # left by a crash during an earlier resume
+            start = time.perf_counter()
+            to_universal(Path(root) / tag, universal)
+            print(f"hpsft: {tag} has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks: converted to "
+                  f"DeepSpeed's universal checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+        dist.barrier()
+        torch_optimizer = self.engine.optimizer.optimizer
+        weight_decays = [group["weight_decay"] for group in torch_optimizer.param_groups]
+        # DeepSpeed reads this flag of its config at load time only; it has no per-call argument.
+        self.engine._config.load_universal_checkpoint = True
+        try:
+            self.load_native_checkpoint(root, universal.name)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        # Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load, undone: every param group gets
+        # the first group's hyperparameters (ours differ in weight decay only, see param_groups),
+        # and every sub-group's state gets the same `step` tensor object, which torch's AdamW
+        # then advances once per sub-group and step (wrong bias correction from the next step on).
+        for group, weight_decay in zip(torch_optimizer.param_groups, weight_decays):
+            group["weight_decay"] = weight_decay
+        for state in torch_optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        dist.barrier()
+        if self.dp_rank == 0:
+            shutil.rmtree(universal)
 
     def full_state_dict(self) -> dict | None:
         module = self.engine.module

@@ -1,7 +1,9 @@
 """The driver's sampler: global batches made of exactly the sequences that the SPMD ranks'
-DistributedSamplers pick in the same step, so both paths train on the same data."""
+samplers pick in the same step, so both paths train on the same data."""
 
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import Sampler
+
+from hpsft.data.sampler import PositionedDistributedSampler
 
 
 class RankInterleavedSampler(Sampler):
@@ -10,22 +12,25 @@ class RankInterleavedSampler(Sampler):
 
     def __init__(self, dataset, dp_size: int, batch_per_rank: int, shuffle: bool, seed: int):
         self.rank_samplers = [
-            DistributedSampler(dataset, num_replicas=dp_size, rank=r, shuffle=shuffle, seed=seed, drop_last=True)
+            PositionedDistributedSampler(dataset, num_replicas=dp_size, rank=r, shuffle=shuffle, seed=seed)
             for r in range(dp_size)
         ]
         self.batch_per_rank = batch_per_rank
-        self.steps = len(self.rank_samplers[0]) // batch_per_rank  # full steps only, as SPMD's drop_last
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_position(self, epoch: int, samples_consumed: int) -> None:
         for sampler in self.rank_samplers:
-            sampler.set_epoch(epoch)
+            sampler.set_position(epoch, samples_consumed)
+
+    def steps(self) -> int:
+        """Full steps left in the epoch (SPMD's loaders drop a last partial batch)."""
+        return len(self.rank_samplers[0]) // self.batch_per_rank
 
     def __len__(self) -> int:
-        return self.steps * self.batch_per_rank * len(self.rank_samplers)
+        return self.steps() * self.batch_per_rank * len(self.rank_samplers)
 
     def __iter__(self):
         per_rank = [list(sampler) for sampler in self.rank_samplers]
         b = self.batch_per_rank
-        for step in range(self.steps):
+        for step in range(self.steps()):
             for indices in per_rank:
                 yield from indices[step * b:(step + 1) * b]

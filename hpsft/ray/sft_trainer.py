@@ -3,10 +3,11 @@ resume, tracking and progress bar, run by one driver over a RayWorkerGroup.
 
 The driver is a single process outside torch.distributed (rank 0 of a world of one): it
 loads whole global batches (the same sequences per step as the SPMD ranks together) and
-hands them to DataParallelWorker, which shards them over the group. Checkpoint mode
-"ray": the workers write their engine shards, the driver one trainer state (data loader,
-RNG, step). A dead worker stops the run with an error naming its rank; with
-ray.max_restarts > 0 the driver builds a new group and goes on from the last checkpoint.
+hands them to DataParallelWorker, which shards them over the group. Checkpoints: the
+workers write their engine shards, the driver the trainer state (step, data position in
+samples, RNG), as SPMD's rank 0 does: either kind of run resumes the other's. A dead
+worker stops the run with an error naming its rank; with ray.max_restarts > 0 the driver
+builds a new group and goes on from the last checkpoint.
 """
 
 from hpsft.config import SFTConfig
@@ -66,7 +67,7 @@ class RaySFTTrainer(SFTTrainer):
             self.load_checkpoint(self.last_checkpoint)
             return
         seed_everything(self.config.trainer.seed)
-        self.global_step, self.epoch = 0, 0
+        self.global_step, self.epoch, self.samples_in_epoch = 0, 0, 0
         self.train_loader = self.build_train_loader()
 
     def close(self) -> None:

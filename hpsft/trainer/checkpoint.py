@@ -2,8 +2,9 @@
 cannot make a resume trust.
 
 Layout under <output_dir>/checkpoints/:
-    global_step_<N>/      engine shards (DeepSpeed) + trainer_state_rank<r>.pt per rank
-                          + manifest.json (every file's size; sha256 of hpsft's own files)
+    global_step_<N>/      engine shards (DeepSpeed) + trainer_state.pt (step, data position
+                          in samples, RNG; the same for any dp size) + manifest.json
+                          (every file's size; sha256 of hpsft's own file)
     latest                the name of the newest complete checkpoint, replaced atomically
 
 A save goes to `global_step_<N>.partial/`; once every rank has written its part, rank 0
@@ -28,7 +29,7 @@ from hpsft.errors import UserInputError
 STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"
 MANIFEST = "manifest.json"
-RANK_STATE_PREFIX = "trainer_state_rank"
+TRAINER_STATE = "trainer_state.pt"
 
 
 def warn(message: str) -> None:
@@ -70,7 +71,7 @@ def write_manifest(folder: Path) -> None:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         fsync_path(path)
         entry = {"size": path.stat().st_size}
-        if path.name.startswith(RANK_STATE_PREFIX):
+        if path.name == TRAINER_STATE:
             entry["sha256"] = sha256(path)
         files[path.relative_to(folder).as_posix()] = entry
     write_durably(folder / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
@@ -112,11 +113,9 @@ class CheckpointManager:
     def partial_tag(self, step: int) -> str:
         return self.tag(step) + PARTIAL_SUFFIX
 
-    def rank_state_path(self, tag: str, rank: int) -> Path:
-        return self.root / tag / f"{RANK_STATE_PREFIX}{rank}.pt"
-
-    def save_rank_state(self, step: int, rank: int, state: dict) -> None:
-        path = self.rank_state_path(self.partial_tag(step), rank)
+    def save_trainer_state(self, step: int, state: dict) -> None:
+        """Rank 0 (or the Ray driver): plain containers, numbers, strings and tensors only."""
+        path = self.root / self.partial_tag(step) / TRAINER_STATE
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
 
@@ -191,11 +190,11 @@ class CheckpointManager:
         return latest
 
     @staticmethod
-    def load_rank_state(checkpoint: Path, rank: int) -> dict:
-        path = checkpoint / f"{RANK_STATE_PREFIX}{rank}.pt"
+    def load_trainer_state(checkpoint: Path) -> dict:
+        path = checkpoint / TRAINER_STATE
         if not path.is_file():
             raise UserInputError(
-                f"{path} is missing: the checkpoint was written by fewer processes than this run has; "
-                "resume with the same number of data-parallel ranks"
+                f"{path} is missing: the checkpoint was written by an hpsft before trainer states were "
+                "independent of the data-parallel size; resume it with that version"
             )
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=True)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.dataset import SFTDataset, TokenizeOptions, chat_template_text, load_or_tokenize
+from hpsft.data.sampler import PositionedDistributedSampler
 from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
@@ -36,12 +36,25 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The generators' states as numbers, tuples and tensors: loadable with weights_only=True."""
+    numpy_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                  "pos": numpy_state["state"]["pos"], "has_gauss": numpy_state["has_gauss"],
+                  "gauss": numpy_state["gauss"]},
+        "torch": torch.get_rng_state(),
+    }
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    np.random.set_state({
+        "bit_generator": "MT19937",
+        "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+        "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"],
+    })
     torch.set_rng_state(state["torch"])
 
 
@@ -53,7 +66,7 @@ def build_dataset(files, tokenizer, data_config) -> SFTDataset:
 
 
 class SFTTrainer:
-    # What a checkpoint's trainer state belongs to: a resume must be of the same kind.
+    # The kind of run, recorded in its checkpoints for the resume message (either kind resumes the other's).
     checkpoint_mode = "spmd"
 
     def __init__(self, config: SFTConfig):
@@ -93,6 +106,7 @@ class SFTTrainer:
             (self.run_dir / "config.yaml").write_text(to_yaml(config))
         distributed.barrier()
         self.global_step, self.epoch = 0, 0
+        self.samples_in_epoch = 0  # of the epoch's global sample order, consumed by finished steps
         self.last_checkpoint: Path | None = None  # the newest this run saved or resumed from
         self.resume()
         self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
@@ -114,14 +128,14 @@ class SFTTrainer:
         return worker
 
     def build_sampler(self):
-        return DistributedSampler(
+        return PositionedDistributedSampler(
             self.train_dataset, num_replicas=self.world_size, rank=self.rank,
-            shuffle=self.config.data.shuffle, seed=self.config.trainer.seed, drop_last=True,
+            shuffle=self.config.data.shuffle, seed=self.config.trainer.seed,
         )
 
-    def build_train_loader(self) -> StatefulDataLoader:
+    def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()
-        loader = StatefulDataLoader(
+        loader = DataLoader(
             self.train_dataset, batch_size=self.batch_per_rank, sampler=self.sampler,
             collate_fn=collate_jagged, drop_last=True, num_workers=self.config.data.num_workers,
         )
@@ -161,35 +175,39 @@ class SFTTrainer:
             self.load_checkpoint(checkpoint)
 
     def load_checkpoint(self, checkpoint: Path) -> None:
-        state = CheckpointManager.load_rank_state(checkpoint, self.rank)
-        if (state["mode"], state["dp_size"]) != (self.checkpoint_mode, self.dp_size):
+        """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)
+        that wrote it: the engine reshards its state, the data position is in samples."""
+        state = CheckpointManager.load_trainer_state(checkpoint)
+        batch_size = self.config.data.train_batch_size
+        if state["samples_in_epoch"] % batch_size:
             raise UserInputError(
-                f"{checkpoint} was written by a {state['mode']} run with {state['dp_size']} data-parallel "
-                f"ranks, this is a {self.checkpoint_mode} run with {self.dp_size}: resume with the same "
-                "kind of run and data-parallel size"
+                f"{checkpoint} stopped after sample {state['samples_in_epoch']} of epoch {state['epoch']}, "
+                f"not a whole number of steps of data.train_batch_size={batch_size}: resume with the "
+                "batch size of the run that wrote it"
             )
         self.worker.load_checkpoint(str(checkpoint.parent), checkpoint.name)
         self.global_step, self.epoch = state["global_step"], state["epoch"]
-        self.skipped_steps.total = state.get("skipped_steps", 0)
-        self.sampler.set_epoch(self.epoch)
-        self.train_loader.load_state_dict(state["dataloader"])
+        self.samples_in_epoch = state["samples_in_epoch"]
+        self.skipped_steps.total = state["skipped_steps"]
         set_rng_state(state["rng"])
         self.last_checkpoint = checkpoint
         if self.rank == 0:
-            print(f"resumed from {checkpoint} at step {self.global_step}", flush=True)
+            print(f"resumed from {checkpoint} at step {self.global_step} (written by a {state['mode']} run "
+                  f"with {state['dp_size']} data-parallel ranks, now {self.dp_size})", flush=True)
 
     def save_checkpoint(self) -> None:
         step = self.global_step
         self.worker.save_checkpoint(str(self.checkpoints.root), self.checkpoints.partial_tag(step))
-        self.checkpoints.save_rank_state(step, self.rank, {
-            "global_step": step,
-            "epoch": self.epoch,
-            "mode": self.checkpoint_mode,
-            "dp_size": self.dp_size,
-            "skipped_steps": self.skipped_steps.total,
-            "dataloader": self.train_loader.state_dict(),
-            "rng": rng_state(),
-        })
+        if self.rank == 0:  # the state of the whole run: the same on every rank
+            self.checkpoints.save_trainer_state(step, {
+                "global_step": step,
+                "epoch": self.epoch,
+                "samples_in_epoch": self.samples_in_epoch,
+                "mode": self.checkpoint_mode,  # what wrote it (any kind of run may resume it)
+                "dp_size": self.dp_size,
+                "skipped_steps": self.skipped_steps.total,
+                "rng": rng_state(),
+            })
         distributed.barrier()
         if self.rank == 0:
             self.checkpoints.commit(step)
@@ -249,10 +267,11 @@ class SFTTrainer:
     def batches(self):
         """Training batches from the current position to total_steps, across epochs."""
         while True:
-            self.sampler.set_epoch(self.epoch)
+            self.sampler.set_position(self.epoch, self.samples_in_epoch)
             for batch in self.train_loader:
+                self.samples_in_epoch += self.config.data.train_batch_size
                 yield batch
-            self.epoch += 1
+            self.epoch, self.samples_in_epoch = self.epoch + 1, 0
 
     def train_step(self, batch) -> dict:
         if self.global_step + 1 not in self.nan_gradient_steps:
