@@ -9,6 +9,7 @@ normalises (by the token count of the whole step) inside its loss.
 
 import contextlib
 import math
+from typing import Iterator
 
 import deepspeed
 import torch
@@ -152,17 +153,20 @@ class DeepSpeedEngine(TrainEngine):
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
 
-    def full_state_dict(self) -> dict | None:
+    def gathered_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        # Under ZeRO-3 each parameter is gathered alone (every rank takes part, each holds one
+        # whole parameter at a time) and rank 0 copies it: no rank ever holds the whole model.
         module = self.engine.module
-        # Under ZeRO-3 every rank takes part in gathering the shards; rank 0 copies.
-        gathered = (
-            deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-            if self.config.zero_stage == 3 else contextlib.nullcontext()
-        )
-        with gathered:
-            if self.dp_rank != 0:
-                return None
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        tensors = dict(module.named_parameters())
+        tensors.update(module.named_buffers())
+        for name in names:
+            tensor = tensors[name]
+            gathered = (
+                deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
+                if self.config.zero_stage == 3 and hasattr(tensor, "ds_id") else contextlib.nullcontext()
+            )
+            with gathered:
+                yield name, tensor.detach().cpu().clone() if self.dp_rank == 0 else None
 
     @property
     def dp_rank(self) -> int:

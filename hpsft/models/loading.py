@@ -2,9 +2,6 @@
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -79,19 +76,3 @@ def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkp
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def write_hf_folder(lm: torch.nn.Module, state_dict: dict, tokenizer, out_dir: Path) -> None:
-    """Save weights, config and tokenizer (with its chat template) so that
-    `from_pretrained(out_dir)` loads them; a crash mid-write leaves no complete-looking folder."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
-        lm.save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -22,6 +22,12 @@ from hpsft.ops import varlen_linear_cross_entropy
 class PackedCausalLM(nn.Module):
     """Wraps a HF causal LM; forward returns a dict of the row's loss terms (see forward).
 
+    The HF model's children (and any parameters or buffers of its own) are registered here
+    under their own names, and the model itself is kept as a plain attribute, not a
+    submodule: this module's parameter names are then exactly the HF model's
+    (`model.layers.0...`, `lm_head.weight`), so DeepSpeed's checkpoints and its
+    `zero_to_fp32` recover a state dict that loads into the HF model as it is.
+
     The LM-head weight is read inside this module's forward, so under ZeRO-3 DeepSpeed
     gathers it as an external parameter of this module; full logits are never built.
     """
@@ -29,12 +35,29 @@ class PackedCausalLM(nn.Module):
     def __init__(self, lm: nn.Module, loss_backend: str = "auto", z_loss_weight: float = 0.0,
                  label_smoothing: float = 0.0, token_accuracy: bool = False):
         super().__init__()
-        self.lm = lm
+        for name, child in lm.named_children():
+            self.register_module(self.own_name(name), child)
+        for name, param in lm.named_parameters(recurse=False):
+            self.register_parameter(self.own_name(name), param)
+        for name, buffer in lm.named_buffers(recurse=False):
+            self.register_buffer(self.own_name(name), buffer, persistent=name not in lm._non_persistent_buffers_set)
+        object.__setattr__(self, "lm", lm)  # not registered: its parameters are already ours, by their names
         self.loss_backend = loss_backend
         self.z_loss_weight = z_loss_weight
         self.label_smoothing = label_smoothing
         self.token_accuracy = token_accuracy
         self.output_side = output_side(lm)
+
+    def own_name(self, name: str) -> str:
+        if hasattr(self, name):
+            raise UnsupportedModel(f"the model's submodule or parameter {name!r} clashes with an attribute of "
+                                   "hpsft's PackedCausalLM")
+        return name
+
+    def train(self, mode: bool = True):
+        self.lm.train(mode)  # the HF model is not a registered child: set its own flag too
+        self.training = mode
+        return self
 
     def hidden_states(self, input_ids, position_ids, offsets):
         """The decoder's last hidden state (T, H), scaled as the family scales its logits, and

@@ -15,7 +15,9 @@ from hpsft import distributed
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.engine import DeepSpeedEngine
-from hpsft.models import PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, write_hf_folder
+from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
+                          write_hf_folder)
+from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
 
 
@@ -132,11 +134,15 @@ class TrainingWorker:
     def load_checkpoint(self, root: str, tag: str) -> None:
         self.engine.load_checkpoint(root, tag)
 
-    def export_hf(self, out_dir: str, tokenizer) -> None:
-        """Write the full model (gathered under ZeRO-3) + tokenizer as a Hugging Face folder,
-        through a temporary sibling renamed at the end."""
-        state = self.engine.full_state_dict()  # collective: every rank calls it
-        if state is None:
-            return
-        lm_state = {k.removeprefix("lm."): v for k, v in state.items()}
-        write_hf_folder(self.engine.module.lm, lm_state, tokenizer, Path(out_dir))
+    def export_hf(self, out_dir: str, tokenizer, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> None:
+        """Write the model + tokenizer as a Hugging Face folder: rank 0 writes safetensors shards
+        as the engine hands it one whole tensor at a time (gathered under ZeRO-3); a
+        collective, every rank calls it."""
+        lm = self.engine.module.lm
+        tensors = self.engine.gathered_tensors(weight_names(lm))
+        if distributed.rank() == 0:
+            write_hf_folder(lm.config, lm.generation_config if lm.can_generate() else None, tensors, tokenizer,
+                            Path(out_dir), max_shard_mb)
+        else:
+            for _ in tensors:  # take part in every gather
+                pass
