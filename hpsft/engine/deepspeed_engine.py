@@ -38,7 +38,8 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for param in module.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            ndim = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partitioned parameter is 1-D
+            (decay if ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -153,6 +154,14 @@ class DeepSpeedEngine(TrainEngine):
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
 
+    def gathered(self, params: list[nn.Parameter]):
+        """A context in which these parameters are whole on every rank (a collective under
+        ZeRO-3, which partitions them; nothing to do otherwise)."""
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        if self.config.zero_stage == 3 and partitioned:
+            return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+        return contextlib.nullcontext()
+
     def gathered_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
         # Under ZeRO-3 each parameter is gathered alone (every rank takes part, each holds one
         # whole parameter at a time) and rank 0 copies it: no rank ever holds the whole model.
@@ -161,11 +170,7 @@ class DeepSpeedEngine(TrainEngine):
         tensors.update(module.named_buffers())
         for name in names:
             tensor = tensors[name]
-            gathered = (
-                deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
-                if self.config.zero_stage == 3 and hasattr(tensor, "ds_id") else contextlib.nullcontext()
-            )
-            with gathered:
+            with self.gathered([tensor]):
                 yield name, tensor.detach().cpu().clone() if self.dp_rank == 0 else None
 
     @property

@@ -63,15 +63,21 @@ def resolve_attn_implementation(name: str) -> str:
 
 
 def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkpointing: bool = False,
-                   trust_remote_code: bool = False) -> torch.nn.Module:
-    """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself)."""
+                   trust_remote_code: bool = False, zero3_config: dict | None = None) -> torch.nn.Module:
+    """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself); with a
+    DeepSpeed ZeRO-3 config, built partitioned across the ranks (see partitioned.py)."""
     from transformers import AutoModelForCausalLM
 
     attn_implementation = resolve_attn_implementation(attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(
-        check_model_path(path, trust_remote_code), dtype=torch.float32, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    folder = check_model_path(path, trust_remote_code)
+    if zero3_config is not None:
+        from hpsft.models.partitioned import build_partitioned_causal_lm
+
+        model = build_partitioned_causal_lm(folder, zero3_config, attn_implementation, trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+        )
     model.config.use_cache = False  # a KV cache is useless in training and breaks packing (see PackedCausalLM)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

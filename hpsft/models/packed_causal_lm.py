@@ -10,6 +10,8 @@ soft-capping and scaling, the MoE router loss) is redone here from `families.out
 `verify_packed_training` checks the whole path against the model's own eager forward.
 """
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -160,15 +162,21 @@ def eager_reference_logprobs(lm: nn.Module, sequences: list[torch.Tensor]) -> to
         lm.set_attn_implementation(implementation)
 
 
+def already_whole(params):
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
-def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
+def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4, gathered=already_whole) -> None:
     """Refuse a model on which hpsft's packed loss path is not the model's own computation.
 
     Two sequences, one longer than any sliding window, run packed through PackedCausalLM
     (hpsft's attention and output side) and each alone through the model's own eager
     forward; the log-probabilities of every next token must agree. This catches what a
     family does that hpsft does not (attention variants, logit transforms) by comparison
-    with the family's own code, never with hpsft's.
+    with the family's own code, never with hpsft's. `gathered(params)`: a context in which these
+    parameters are whole (under ZeRO-3 the engine gathers each module's own as it runs, but
+    the LM-head weight is used here outside a module call).
     """
     was_training = lm.training
     lm.eval()
@@ -179,7 +187,8 @@ def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
         lm.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
         device = next(lm.parameters()).device
-        vocab = lm.get_output_embeddings().weight.shape[0]
+        head = lm.get_output_embeddings().weight
+        vocab = getattr(head, "ds_shape", head.shape)[0]  # a ZeRO-3 partitioned weight knows its whole shape
         g = torch.Generator().manual_seed(0)
         lengths = (max(longest_sliding_window(lm.config) + 8, 24), 9)
         sequences = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
@@ -190,7 +199,8 @@ def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
         row = {name: tensor.to(device) for name, tensor in row.items()}
         packed = PackedCausalLM(lm)
         hidden, _ = packed.hidden_states(row["input_ids"], row["position_ids"], row["offsets"])
-        out = packed.token_losses(hidden, row["input_ids"], row["offsets"], row["loss_mask"], "none")
+        with gathered([head]):
+            out = packed.token_losses(hidden, row["input_ids"], row["offsets"], row["loss_mask"], "none")
         # Row t - 1 predicts target token t: the op reports log-probabilities per predicting row.
         predicting_rows = torch.nonzero(target_mask(row["loss_mask"], row["offsets"]), as_tuple=True)[0] - 1
         ours = out.logprobs[predicting_rows].double()

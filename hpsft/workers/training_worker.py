@@ -41,15 +41,21 @@ class TrainingWorker:
 
     def init_model(self) -> None:
         cfg = self.model_config
-        lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code)
+        # Under ZeRO-3 the model is built partitioned: no rank ever holds all of it.
+        zero3 = self.engine_config.zero_stage == 3
+        lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
+                            zero3_config=self.engine.deepspeed_config() if zero3 else None)
         check_supported(lm, lm.config._attn_implementation)
-        verify_packed_training(lm)
+        if not zero3:
+            verify_packed_training(lm)  # in fp32, before DeepSpeed casts the weights for bf16
         self.body_params, self.head_params = flop_counts(lm)
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
         self.engine.initialize(
             PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
         )
+        if zero3:  # a partitioned model runs only once the engine gathers each layer as it runs
+            verify_packed_training(lm, gathered=self.engine.gathered)
         if self.peak_flops_per_device is not None:
             self.peak = PeakFlops.configured(self.peak_flops_per_device)
         else:
