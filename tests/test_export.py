@@ -81,3 +81,45 @@ def test_zero_to_fp32_loads_strictly_and_any_checkpoint_exports(tmp_path, model_
     proc = run_cli("hpsft.export", [str(out), str(tmp_path / "final")])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"hpsft: error: {tmp_path / 'final'} exists and is not an empty folder" in proc.stderr
+
+
+@pytest.mark.slow
+def test_zero3_builds_the_default_model_partitioned_and_exports_it_streamed(tmp_path):
+    """The full 30-layer SmolLM2-135M (513 MiB in fp32) under ZeRO-3 with 2 ranks, no step."""
+    from safetensors import safe_open
+
+    from tests.conftest import FULL_MODEL, REPO
+
+    out = tmp_path / "zero3"
+    out.mkdir()
+    proc = run_cli(None, [str(out), f"model.path={FULL_MODEL}", "engine.zero_stage=3"], nproc=2,
+                   script=str(REPO / "tests" / "dist_scripts" / "zero3_load_and_export.py"))
+    assert_ok(proc)
+    model_mib = sum(t.numel() * t.element_size() for t in folder_weights(FULL_MODEL).values()) / 2**20
+    print(f"\nfp32 model: {model_mib:.0f} MiB")
+    largest_mib = 0.0
+    with safe_open(FULL_MODEL / "model.safetensors", framework="pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            largest_mib = max(largest_mib, torch.Size(shape).numel() * 4 / 2**20)
+    for rank in (0, 1):
+        memory = json.loads((out / f"memory_rank{rank}.json").read_text())
+        print(f"rank {rank} RssAnon MiB: {memory}")
+        # Built partitioned: each rank holds half of every large parameter (the tied LM head's
+        # first partition stays alive beside the embedding's: one more half embedding).
+        assert memory["parameter_mib"] < model_mib / 2 + largest_mib
+        # The export gathers one parameter at a time into 64 MB shards: a whole-model gather
+        # would add the model's size on every rank.
+        export = memory["exported"]
+        assert export["peak"] - export["start"] < 64 + 2 * largest_mib, export
+        # Building the model: transients of one module at a time on top of this rank's part.
+        built = memory["model_built"]
+        assert built["end"] - built["start"] < model_mib, built
+
+    # No step was taken: the export is the model folder's own weights, tensor by tensor.
+    exported = folder_weights(out / "hf")
+    original = folder_weights(FULL_MODEL)
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    assert len(json.loads((out / "hf" / "model.safetensors.index.json").read_text())["weight_map"]) == len(original)
