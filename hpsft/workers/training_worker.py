@@ -55,7 +55,11 @@ class TrainingWorker:
             PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
         )
         if zero3:  # a partitioned model runs only once the engine gathers each layer as it runs
-            verify_packed_training(lm, gathered=self.engine.gathered)
+            # In the engine's dtype: with bf16 weights the packed and the eager path round
+            # differently (relative log-prob error 6.6e-3 measured on SmolLM2), while packed
+            # documents attending to each other move logits by ~0.5 (PLATFORM-NOTES.md).
+            tolerance = 2e-2 if self.engine_config.dtype == "bfloat16" else 1e-4
+            verify_packed_training(lm, tolerance, gathered=self.engine.gathered)
         if self.peak_flops_per_device is not None:
             self.peak = PeakFlops.configured(self.peak_flops_per_device)
         else:
