@@ -123,3 +123,22 @@ def test_zero3_builds_the_default_model_partitioned_and_exports_it_streamed(tmp_
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
     assert len(json.loads((out / "hf" / "model.safetensors.index.json").read_text())["weight_map"]) == len(original)
+
+
+def test_zero3_refuses_weights_stored_under_other_names(tmp_path, model_path, tiny_data):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "renamed"
+    shutil.copytree(model_path, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.scale"] = weights.pop("model.norm.weight")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "run"
+    proc = run_cli("hpsft.train", base_overrides(str(folder), *tiny_data, out, **{"engine.zero_stage": 3}))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"hpsft: error: model.path={folder}: its weights do not match the model's parameters (model.safetensors "
+            "holds 'model.norm.scale', which the model does not have; no weights for ['model.norm.weight'])"
+            in proc.stderr), proc.stderr[-3000:]
+    assert not out.exists()
