@@ -13,8 +13,12 @@ def flop_counts(lm) -> tuple[int, int]:
     LM head. The input embedding is a lookup, not a matmul (unless tied to the head)."""
     head = lm.get_output_embeddings().weight
     skip = {id(lm.get_input_embeddings().weight), id(head)}
-    body = sum(p.numel() for p in lm.parameters() if id(p) not in skip)
-    return body, head.numel()
+    body = sum(numel(p) for p in lm.parameters() if id(p) not in skip)
+    return body, numel(head)
+
+
+def numel(param) -> int:
+    return getattr(param, "ds_numel", param.numel())  # a ZeRO-3 partitioned parameter holds a part only
 
 
 def model_flops(body_params: int, head_params: int, n_layers: int, hidden_size: int,

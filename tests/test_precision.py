@@ -49,7 +49,7 @@ def fp32_reference(model_path, sequences) -> tuple[float, dict]:
         seq_loss = (nll * s["loss_mask"][1:]).sum() / total
         seq_loss.backward()
         loss += float(seq_loss.detach())
-    return loss, {"lm." + k: p.grad.double() for k, p in lm.named_parameters()}
+    return loss, {k: p.grad.double() for k, p in lm.named_parameters()}
 
 
 def bf16_rows_reference(model_path, rows, total: int) -> dict:

@@ -2,7 +2,9 @@
 tensors and process groups; nothing of datasets, YAML or Ray."""
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Iterator
+
+import torch
 
 from torch import nn
 
@@ -32,8 +34,9 @@ class TrainEngine(ABC):
     def load_checkpoint(self, root: str, tag: str) -> None: ...
 
     @abstractmethod
-    def full_state_dict(self) -> dict | None:
-        """The full (unsharded) module state dict on rank 0, None elsewhere."""
+    def gathered_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The module's parameters and buffers of these names, whole, one at a time: (name,
+        tensor) on rank 0, (name, None) elsewhere. A collective: every rank iterates to the end."""
 
     @property
     @abstractmethod

@@ -13,6 +13,7 @@ import math
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import deepspeed
 import torch
@@ -58,7 +59,8 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for param in module.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            ndim = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partitioned parameter is 1-D
+            (decay if ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -216,17 +218,24 @@ class DeepSpeedEngine(TrainEngine):
         if self.dp_rank == 0:
             shutil.rmtree(universal)
 
-    def full_state_dict(self) -> dict | None:
+    def gathered(self, params: list[nn.Parameter]):
+        """A context in which these parameters are whole on every rank (a collective under
+        ZeRO-3, which partitions them; nothing to do otherwise)."""
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        if self.config.zero_stage == 3 and partitioned:
+            return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def gathered_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        # Under ZeRO-3 each parameter is gathered alone (every rank takes part, each holds one
+        # whole parameter at a time) and rank 0 copies it: no rank ever holds the whole model.
         module = self.engine.module
-        # Under ZeRO-3 every rank takes part in gathering the shards; rank 0 copies.
-        gathered = (
-            deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-            if self.config.zero_stage == 3 else contextlib.nullcontext()
-        )
-        with gathered:
-            if self.dp_rank != 0:
-                return None
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        tensors = dict(module.named_parameters())
+        tensors.update(module.named_buffers())
+        for name in names:
+            tensor = tensors[name]
+            with self.gathered([tensor]):
+                yield name, tensor.detach().cpu().clone() if self.dp_rank == 0 else None
 
     @property
     def dp_rank(self) -> int:

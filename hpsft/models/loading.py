@@ -2,9 +2,6 @@
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -66,32 +63,22 @@ def resolve_attn_implementation(name: str) -> str:
 
 
 def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkpointing: bool = False,
-                   trust_remote_code: bool = False) -> torch.nn.Module:
-    """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself)."""
+                   trust_remote_code: bool = False, zero3_config: dict | None = None) -> torch.nn.Module:
+    """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself); with a
+    DeepSpeed ZeRO-3 config, built partitioned across the ranks (see partitioned.py)."""
     from transformers import AutoModelForCausalLM
 
     attn_implementation = resolve_attn_implementation(attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(
-        check_model_path(path, trust_remote_code), dtype=torch.float32, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    folder = check_model_path(path, trust_remote_code)
+    if zero3_config is not None:
+        from hpsft.models.partitioned import build_partitioned_causal_lm
+
+        model = build_partitioned_causal_lm(folder, zero3_config, attn_implementation, trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+        )
     model.config.use_cache = False  # a KV cache is useless in training and breaks packing (see PackedCausalLM)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def write_hf_folder(lm: torch.nn.Module, state_dict: dict, tokenizer, out_dir: Path) -> None:
-    """Save weights, config and tokenizer (with its chat template) so that
-    `from_pretrained(out_dir)` loads them; a crash mid-write leaves no complete-looking folder."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
-        lm.save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

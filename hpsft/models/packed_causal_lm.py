@@ -10,6 +10,8 @@ soft-capping and scaling, the MoE router loss) is redone here from `families.out
 `verify_packed_training` checks the whole path against the model's own eager forward.
 """
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -22,6 +24,12 @@ from hpsft.ops import varlen_linear_cross_entropy
 class PackedCausalLM(nn.Module):
     """Wraps a HF causal LM; forward returns a dict of the row's loss terms (see forward).
 
+    The HF model's children (and any parameters or buffers of its own) are registered here
+    under their own names, and the model itself is kept as a plain attribute, not a
+    submodule: this module's parameter names are then exactly the HF model's
+    (`model.layers.0...`, `lm_head.weight`), so DeepSpeed's checkpoints and its
+    `zero_to_fp32` recover a state dict that loads into the HF model as it is.
+
     The LM-head weight is read inside this module's forward, so under ZeRO-3 DeepSpeed
     gathers it as an external parameter of this module; full logits are never built.
     """
@@ -29,12 +37,29 @@ class PackedCausalLM(nn.Module):
     def __init__(self, lm: nn.Module, loss_backend: str = "auto", z_loss_weight: float = 0.0,
                  label_smoothing: float = 0.0, token_accuracy: bool = False):
         super().__init__()
-        self.lm = lm
+        for name, child in lm.named_children():
+            self.register_module(self.own_name(name), child)
+        for name, param in lm.named_parameters(recurse=False):
+            self.register_parameter(self.own_name(name), param)
+        for name, buffer in lm.named_buffers(recurse=False):
+            self.register_buffer(self.own_name(name), buffer, persistent=name not in lm._non_persistent_buffers_set)
+        object.__setattr__(self, "lm", lm)  # not registered: its parameters are already ours, by their names
         self.loss_backend = loss_backend
         self.z_loss_weight = z_loss_weight
         self.label_smoothing = label_smoothing
         self.token_accuracy = token_accuracy
         self.output_side = output_side(lm)
+
+    def own_name(self, name: str) -> str:
+        if hasattr(self, name):
+            raise UnsupportedModel(f"the model's submodule or parameter {name!r} clashes with an attribute of "
+                                   "hpsft's PackedCausalLM")
+        return name
+
+    def train(self, mode: bool = True):
+        self.lm.train(mode)  # the HF model is not a registered child: set its own flag too
+        self.training = mode
+        return self
 
     def hidden_states(self, input_ids, position_ids, offsets):
         """The decoder's last hidden state (T, H), scaled as the family scales its logits, and
@@ -137,15 +162,21 @@ def eager_reference_logprobs(lm: nn.Module, sequences: list[torch.Tensor]) -> to
         lm.set_attn_implementation(implementation)
 
 
+def already_whole(params):
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
-def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
+def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4, gathered=already_whole) -> None:
     """Refuse a model on which hpsft's packed loss path is not the model's own computation.
 
     Two sequences, one longer than any sliding window, run packed through PackedCausalLM
     (hpsft's attention and output side) and each alone through the model's own eager
     forward; the log-probabilities of every next token must agree. This catches what a
     family does that hpsft does not (attention variants, logit transforms) by comparison
-    with the family's own code, never with hpsft's.
+    with the family's own code, never with hpsft's. `gathered(params)`: a context in which these
+    parameters are whole (under ZeRO-3 the engine gathers each module's own as it runs, but
+    the LM-head weight is used here outside a module call).
     """
     was_training = lm.training
     lm.eval()
@@ -156,7 +187,8 @@ def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
         lm.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
         device = next(lm.parameters()).device
-        vocab = lm.get_output_embeddings().weight.shape[0]
+        head = lm.get_output_embeddings().weight
+        vocab = getattr(head, "ds_shape", head.shape)[0]  # a ZeRO-3 partitioned weight knows its whole shape
         g = torch.Generator().manual_seed(0)
         lengths = (max(longest_sliding_window(lm.config) + 8, 24), 9)
         sequences = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
@@ -167,7 +199,8 @@ def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4) -> None:
         row = {name: tensor.to(device) for name, tensor in row.items()}
         packed = PackedCausalLM(lm)
         hidden, _ = packed.hidden_states(row["input_ids"], row["position_ids"], row["offsets"])
-        out = packed.token_losses(hidden, row["input_ids"], row["offsets"], row["loss_mask"], "none")
+        with gathered([head]):
+            out = packed.token_losses(hidden, row["input_ids"], row["offsets"], row["loss_mask"], "none")
         # Row t - 1 predicts target token t: the op reports log-probabilities per predicting row.
         predicting_rows = torch.nonzero(target_mask(row["loss_mask"], row["offsets"]), as_tuple=True)[0] - 1
         ours = out.logprobs[predicting_rows].double()

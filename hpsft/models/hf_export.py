@@ -1,0 +1,92 @@
+"""Write a Hugging Face model folder from weights streamed one tensor at a time.
+
+The weights go to safetensors shards of at most `max_shard_mb` in Hugging Face's own layout
+(one `model.safetensors`, or `model-0000K-of-0000N.safetensors` plus
+`model.safetensors.index.json`, as `save_pretrained` shards): the writer holds one shard,
+never the whole model, so the caller may gather the tensors one by one (ZeRO-3) or read them
+lazily from a checkpoint (hpsft.export).
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+DEFAULT_MAX_SHARD_MB = 1024
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_names(lm: nn.Module) -> list[str]:
+    """The names a Hugging Face folder stores for this model, in module order: every parameter
+    once (a tied LM head is stored under the input embedding's name only, as save_pretrained
+    does) and the persistent buffers."""
+    names = [name for name, _ in lm.named_parameters()]
+    for prefix, module in lm.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                names.append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def write_safetensors_shards(weights: Iterable[tuple[str, torch.Tensor]], folder: Path, max_shard_mb: int) -> None:
+    """Write (name, tensor) pairs in order into shards of at most `max_shard_mb` (a tensor
+    larger than that gets a shard of its own); one shard is `model.safetensors`."""
+    max_bytes = max_shard_mb * 2**20
+    shard_names: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
+
+    def flush() -> None:
+        save_file(shard, folder / f"shard-{len(shard_names)}.tmp", metadata={"format": "pt"})
+        shard_names.append(list(shard))
+        shard.clear()
+
+    for name, tensor in weights:
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_bytes:
+            flush()
+            shard_bytes = 0
+        shard[name] = tensor.contiguous()
+        shard_bytes += size
+        total_bytes += size
+    if shard or not shard_names:
+        flush()
+
+    if len(shard_names) == 1:
+        os.replace(folder / "shard-0.tmp", folder / SINGLE_FILE)
+        return
+    weight_map = {}
+    for i, names in enumerate(shard_names):
+        file = f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors"
+        os.replace(folder / f"shard-{i}.tmp", folder / file)
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_hf_folder(config, generation_config, weights: Iterator[tuple[str, torch.Tensor]], tokenizer,
+                    out_dir: Path, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> None:
+    """Save config, weights and tokenizer (with its chat template) so that
+    `from_pretrained(out_dir)` loads them; a crash mid-write leaves no complete-looking folder
+    (everything goes to a temporary sibling renamed at the end)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        config.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        write_safetensors_shards(weights, tmp, max_shard_mb)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
