@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from hpsft.errors import UserInputError
+from hpsft.files import umask_mode
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
 
@@ -89,7 +90,7 @@ def write_hf_folder(lm: torch.nn.Module, state_dict: dict, tokenizer, out_dir: P
     try:
         lm.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
+        tmp.chmod(umask_mode(0o777))  # mkdtemp's 0700 would ignore the user's umask
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -36,12 +36,15 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Plain data (numbers, lists, a tensor), so a checkpoint loads with weights_only=True."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached_gaussian],
+            "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(tuple(state["numpy"]))
     torch.set_rng_state(state["torch"])
 
 
