@@ -16,11 +16,20 @@ from hpsft.train import USER_ERRORS
 
 
 def connect(address: str | None) -> None:
-    import ray
-
+    """Join the cluster the user named, or start a private local instance: every port of it on
+    127.0.0.1, no dashboard, no usage statistics sent to Ray's servers (docs/security.md)."""
     if address is None and "RAY_ADDRESS" not in os.environ:
+        # ray.init turns _node_ip_address=127.0.0.1 into the machine's address, and then its
+        # servers (GCS, raylet, workers, metrics) listen on every interface; Ray's single-machine
+        # mode (its default on macOS/Windows) keeps them all on loopback. Read when ray is imported.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+
         ray.init(include_dashboard=False)
     else:
+        import ray
+
         ray.init(address=address)  # None: RAY_ADDRESS
 
 
@@ -31,9 +40,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(args.config, args.overrides)
-        from hpsft.ray import RaySFTTrainer, WorkerDiedError, WorkerFailedError  # heavy imports after the config
-
-        connect(config.ray.address)
+        connect(config.ray.address)  # before anything imports ray
+        from hpsft.ray import RaySFTTrainer, WorkerDiedError, WorkerFailedError
         trainer = RaySFTTrainer(config)
         try:
             trainer.fit()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ class CreateMarker:
 def trained_run(tmp_path_factory, model_path, chat_rows):
     """A one-step run with every logger and the HF export, as a user with umask 027 whose
     environment holds a W&B key and whose config holds a password in ray.address (a URL
-    the SPMD path ignores but config.yaml records)."""
+    the SPMD path ignores but config.yaml records); its listening sockets are watched."""
     root = tmp_path_factory.mktemp("trust")
     train = write_parquet([{"messages": c} for c in chat_rows[:8]], root / "train.parquet")
     val = write_parquet([{"messages": c} for c in chat_rows[8:12]], root / "val.parquet")
@@ -54,10 +55,9 @@ def trained_run(tmp_path_factory, model_path, chat_rows):
         "trainer.total_steps": 1, "trainer.loggers": "[console,jsonl,tensorboard]",
         "ray.address": f"ray://hpsft:{URL_PASSWORD}@127.0.0.1:10001",
     })
-    proc = subprocess.run(cli_command("hpsft.train", overrides), cwd=REPO, capture_output=True, text=True,
-                          env={**train_env(), "WANDB_API_KEY": WANDB_KEY}, umask=RUN_UMASK, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return {"out": out, "proc": proc, "overrides": overrides, "root": root}
+    run = run_watching_sockets(cli_command("hpsft.train", overrides), root, {"WANDB_API_KEY": WANDB_KEY}, RUN_UMASK)
+    assert run.proc.returncode == 0, run.proc.stderr[-5000:]
+    return {"out": out, "proc": run.proc, "overrides": overrides, "sockets": run}
 
 
 def test_no_secret_reaches_the_run_dir_or_the_output(trained_run):
@@ -216,3 +216,134 @@ def test_a_manifest_naming_files_outside_its_checkpoint_makes_it_damaged(tmp_pat
     with pytest.raises(UserInputError, match="the checkpoint is damaged"):
         CheckpointManager.resolve(checkpoint)
 
+
+# ---- network -----------------------------------------------------------------------------
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+MARK = "HPSFT_TEST_SOCKET_WATCH"
+
+
+def marked_processes(mark: str) -> list:
+    """Every live process whose environment carries `mark`: those a test started and all
+    their descendants, also the ones that left the process tree (Ray's daemons, orphans)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARK) == mark and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def listening(processes) -> set[tuple[str, int, int]]:
+    """(address, port, pid) of the TCP sockets `processes` listen on."""
+    import psutil
+
+    sockets = set()
+    for process in processes:
+        try:
+            sockets |= {(c.laddr.ip, c.laddr.port, process.pid) for c in process.net_connections(kind="inet")
+                        if c.status == psutil.CONN_LISTEN}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return sockets
+
+
+@dataclass
+class Watched:
+    proc: subprocess.CompletedProcess
+    pid: int  # of the command itself
+    seen: set  # (address, port, pid) listened on while it ran, by it or any process it started
+    left: set  # the same, 20 s after it ended
+
+
+def run_watching_sockets(command: list[str], logs: Path, env: dict | None = None, umask: int = -1,
+                         timeout: int = 600) -> Watched:
+    """Run `command`, recording every TCP socket it or any process it started listens on."""
+    import time
+    import uuid
+
+    mark = uuid.uuid4().hex
+    with open(logs / "stdout", "w") as stdout, open(logs / "stderr", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=REPO, env={**train_env(), **(env or {}), MARK: mark},
+                                stdout=stdout, stderr=stderr, text=True, umask=umask)
+        seen, deadline = set(), time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= listening(marked_processes(mark))
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    left = marked_processes(mark)
+    for _ in range(40):  # daemons notice their parent's exit within seconds
+        if not left:
+            break
+        time.sleep(0.5)
+        left = marked_processes(mark)
+    still_listening = listening(left)
+    for process in left:  # clean up after a failure of the test, then report it
+        process.kill()
+    result = subprocess.CompletedProcess(command, proc.returncode, (logs / "stdout").read_text(),
+                                         (logs / "stderr").read_text())
+    return Watched(result, proc.pid, seen, still_listening)
+
+
+def not_loopback(sockets) -> set:
+    return {s for s in sockets if s[0] not in LOOPBACK}
+
+
+def test_a_run_without_launcher_listens_on_loopback_only_and_leaves_no_socket(trained_run):
+    """Its rendezvous store and gloo's sockets: hpsft serves the store on MASTER_ADDR=127.0.0.1."""
+    run = trained_run["sockets"]
+    assert run.seen, "the watch saw no listening socket"
+    assert not not_loopback(run.seen), f"listening beyond 127.0.0.1: {not_loopback(run.seen)}"
+    assert not run.left, f"still listening after the run: {run.left}"
+
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+RAY_WORKERS = {"ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5, "trainer.export_hf": "false"}
+
+
+def test_local_ray_run_listens_on_loopback_only_and_leaves_no_socket(tmp_path, model_path, tiny_data):
+    pytest.importorskip("ray")
+    train, val = tiny_data
+    args = base_overrides(model_path, train, val, tmp_path / "run", **{**RAY_WORKERS, "trainer.total_steps": 1})
+    run = run_watching_sockets(cli_command("hpsft.train_ray", args), tmp_path, RAY_ENV)
+    assert run.proc.returncode == 0, run.proc.stderr[-5000:]
+    assert len({pid for _, _, pid in run.seen}) >= 4, run.seen  # driver, GCS, raylet, workers: the watch saw them
+    assert not not_loopback(run.seen), f"listening beyond 127.0.0.1: {not_loopback(run.seen)}"
+    assert not run.left, f"still listening after the run: {run.left}"
+
+
+def test_local_ray_run_that_fails_leaves_no_socket(tmp_path, model_path, tiny_data):
+    """The resume path is checked after the worker group is up: its actors, the rendezvous
+    and Ray's daemons all exist when the run fails."""
+    pytest.importorskip("ray")
+    train, val = tiny_data
+    args = base_overrides(model_path, train, val, tmp_path / "run", **{**RAY_WORKERS, "trainer.resume": tmp_path / "none"})
+    run = run_watching_sockets(cli_command("hpsft.train_ray", args), tmp_path, RAY_ENV)
+    assert run.proc.returncode == 2 and "neither a global_step_<N> folder nor a run" in run.proc.stderr, \
+        run.proc.stderr[-5000:]
+    assert not not_loopback(run.seen), f"listening beyond 127.0.0.1: {not_loopback(run.seen)}"
+    assert not run.left, f"still listening after the run: {run.left}"
+
+
+@pytest.mark.parametrize("outcome", ["finished", "failed"])
+def test_torchrun_run_leaves_no_socket(tmp_path, model_path, tiny_data, outcome):
+    """Only torchrun's own rendezvous store listens beyond loopback (on every interface:
+    torch's choice, which other nodes need). A failed run: rank 0 meets a bad row after
+    the process group is up, and both ranks stop."""
+    train, val = tiny_data
+    if outcome == "failed":
+        train = str(Path(train).with_suffix(".jsonl"))
+        Path(train).write_text(json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n")
+    args = base_overrides(model_path, train, val, tmp_path / "run", **{"trainer.total_steps": 1,
+                                                                       "trainer.export_hf": "false"})
+    run = run_watching_sockets(cli_command("hpsft.train", args, nproc=2), tmp_path)
+    assert run.proc.returncode == (0 if outcome == "finished" else 1), run.proc.stderr[-5000:]
+    assert len({pid for _, _, pid in run.seen}) >= 2, run.seen  # the launcher and the ranks: the watch saw them
+    assert {pid for _, _, pid in not_loopback(run.seen)} <= {run.pid}, run.seen
+    assert not run.left, f"still listening after the run: {run.left}"
