@@ -16,8 +16,8 @@ from hpsft.train import USER_ERRORS
 
 
 def connect(address: str | None) -> None:
-    """Join the cluster the user named, or start a private local instance: every port of it on
-    127.0.0.1, no dashboard, no usage statistics sent to Ray's servers (docs/security.md)."""
+    """Join the cluster the user named, or start a new local instance of this run's own: every
+    port of it on 127.0.0.1, no dashboard, no usage statistics sent to Ray (docs/security.md)."""
     if address is None and "RAY_ADDRESS" not in os.environ:
         # ray.init turns _node_ip_address=127.0.0.1 into the machine's address, and then its
         # servers (GCS, raylet, workers, metrics) listen on every interface; Ray's single-machine
@@ -26,7 +26,8 @@ def connect(address: str | None) -> None:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         import ray
 
-        ray.init(include_dashboard=False)
+        # "local": a new instance; ray.init() would join any cluster a `ray start` left on this machine.
+        ray.init(address="local", include_dashboard=False)
     else:
         import ray
 
