@@ -2,7 +2,9 @@
 leaves its folder, unless the user asked. (Remote model code: tests/test_cli_errors.py.)
 
 One real training run (umask 027, a W&B key in its environment, a password in a config
-value) serves the checks of what a run writes; a planted pickle is then resumed from.
+value) serves the checks of what a run writes and of its sockets; a planted pickle is then
+resumed from. Torchrun and local Ray runs, finished and failed, are watched for the sockets
+they open: every process carrying the test's mark in its environment is inspected with psutil.
 """
 
 import builtins
@@ -92,7 +94,8 @@ def test_a_planted_pickle_state_file_is_never_unpickled(trained_run, tmp_path):
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     assert manifest_problem(checkpoint) is None
 
-    overrides = [o for o in trained_run["overrides"] if not o.startswith(("trainer.output_dir=", "trainer.total_steps="))]
+    overrides = [o for o in trained_run["overrides"]
+                 if not o.startswith(("trainer.output_dir=", "trainer.total_steps="))]
     proc = run_cli("hpsft.train", overrides + [f"trainer.output_dir={run}", "trainer.total_steps=2"], timeout=600)
     assert proc.returncode == 2, proc.stderr[-5000:]
     assert not marker.exists()
@@ -324,7 +327,8 @@ def test_local_ray_run_that_fails_leaves_no_socket(tmp_path, model_path, tiny_da
     and Ray's daemons all exist when the run fails."""
     pytest.importorskip("ray")
     train, val = tiny_data
-    args = base_overrides(model_path, train, val, tmp_path / "run", **{**RAY_WORKERS, "trainer.resume": tmp_path / "none"})
+    args = base_overrides(model_path, train, val, tmp_path / "run",
+                          **{**RAY_WORKERS, "trainer.resume": tmp_path / "none"})
     run = run_watching_sockets(cli_command("hpsft.train_ray", args), tmp_path, RAY_ENV)
     assert run.proc.returncode == 2 and "neither a global_step_<N> folder nor a run" in run.proc.stderr, \
         run.proc.stderr[-5000:]
