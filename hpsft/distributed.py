@@ -54,8 +54,26 @@ def env_from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Initialise torch.distributed (through DeepSpeed) from the launcher's environment."""
+def init_store_on_master_addr(timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store, which rank 0 serves on MASTER_ADDR only: torch's own (env://)
+    listens on every interface, which only a launcher serving other nodes needs."""
+    addr, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+    if rank != 0:
+        return dist.TCPStore(addr, port, int(os.environ["WORLD_SIZE"]), False, timeout=timeout)
+    listener = socket.create_server((addr, port), family=socket.getaddrinfo(addr, port)[0][0])
+    try:
+        return dist.TCPStore(addr, port, int(os.environ["WORLD_SIZE"]), True, timeout=timeout,
+                             master_listen_fd=listener.fileno())
+    finally:
+        listener.detach()  # the store owns the socket now
+
+
+def init_distributed(backend: str | None = None, own_store: bool = False) -> None:
+    """Initialise torch.distributed (through DeepSpeed) from the launcher's environment.
+
+    `own_store`: hpsft chose MASTER_ADDR (a Ray worker group): rank 0 serves the rendezvous
+    there only (init_store_on_master_addr), as it does for a process started without a launcher.
+    """
     if dist.is_initialized():
         return
     # Only inside an srun step (SLURM_STEP_ID set): the batch script's own process (or a
@@ -67,12 +85,17 @@ def init_distributed(backend: str | None = None) -> None:
     if "RANK" not in os.environ:  # a single process started without any launcher
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+        own_store = True
     import deepspeed
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(cuda_device_index())
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
+    timeout = timedelta(minutes=30)
+    if own_store:  # DeepSpeed then adopts the initialised group
+        dist.init_process_group(backend, store=init_store_on_master_addr(timeout), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
 
 
 def rank() -> int:

@@ -29,7 +29,8 @@ def bad_cases(tmp_path, model_path, tiny_data):
                           "model.path=/nonexistent/model: no Hugging Face model folder there"),
         "remote_code": ([f"model.path={remote_code}"],
                         "config.json asks for code shipped with the model (['AutoModelForCausalLM']); hpsft does "
-                        "not run it unless model.trust_remote_code=true"),
+                        "not run it unless model.trust_remote_code=true, which executes that folder's Python files "
+                        "with your permissions"),
     }
 
 

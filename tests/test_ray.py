@@ -36,7 +36,8 @@ def ray_address():
     with pytest.MonkeyPatch.context() as patch:
         for key, value in {**train_env(), **RAY_ENV}.items():
             patch.setenv(key, value)
-        ray.init(num_cpus=2, include_dashboard=False)
+        # "local": a new instance, even where a `ray start` head (or its stale /tmp/ray/ray_current_cluster) is around
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
         try:
             yield ray.get_runtime_context().gcs_address
         finally:

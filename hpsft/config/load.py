@@ -6,6 +6,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hpsft.config.schema import SFTConfig
+from hpsft.config.secrets import mask_secrets
 
 
 class ConfigError(ValueError):
@@ -52,4 +53,5 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
 
 
 def to_yaml(config: SFTConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The config as YAML with its secrets masked (hpsft/config/secrets.py): what config.yaml holds."""
+    return OmegaConf.to_yaml(OmegaConf.create(mask_secrets(OmegaConf.to_container(OmegaConf.structured(config)))))

@@ -18,9 +18,12 @@ reasoning) are refused with an error rather than mis-masked. Two cases need more
 A template that raises on a conversation (e.g. "roles must alternate"), a tool call or
 tool list the template does not write, and a token that runs past the end of a turn (the
 tokenizer does not split at the template's end-of-turn marker) make the row a BadRow.
+Templates render in transformers' sandboxed Jinja environment: one that reaches for Python
+internals (`().__class__`, `cycler.__init__.__globals__`) stops the run, whatever the row.
 """
 
 import jinja2
+from jinja2.sandbox import SecurityError
 
 from hpsft.data.chat_messages import BadRow, normalize_messages, normalize_tools
 from hpsft.errors import UserInputError
@@ -98,6 +101,10 @@ def tokenize_conversation(tokenizer, messages, tools=None, chat_template=None) -
             )
         except jinja2.TemplateSyntaxError as err:
             raise UserInputError(f"the chat template does not compile: {err} (line {err.lineno})") from None
+        except SecurityError as err:  # transformers renders in jinja2's ImmutableSandboxedEnvironment
+            raise UserInputError(f"the chat template tried an operation its sandbox forbids ({err}): templates may "
+                                 "not reach Python internals or change their inputs; fix or replace it "
+                                 "(data.chat_template)") from None
         except jinja2.TemplateError as err:
             raise BadRow(f"the chat template refused the conversation: {err}") from None
         except TypeError as err:

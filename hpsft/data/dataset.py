@@ -20,6 +20,7 @@ from hpsft.data import chat_messages, chat_tokenize
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.errors import UserInputError
+from hpsft.files import load_plain_data, umask_mode
 
 
 class DataError(UserInputError):
@@ -173,10 +174,11 @@ def load_or_tokenize(files: list[str], tokenizer, opts: TokenizeOptions, cache_d
             raise DataError(f"data file {path} does not exist")
     cache_path = Path(cache_dir) / f"{cache_key(files, tokenizer, opts)}.pt"
     if cache_path.is_file():
-        return torch.load(cache_path)
+        return load_plain_data(cache_path)
     data = tokenize_files(files, tokenizer, opts)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=cache_path.name + ".", dir=cache_path.parent)
+    os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
     os.close(fd)
     torch.save(data, tmp)
     os.replace(tmp, cache_path)

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from hpsft.files import umask_mode
+
 DEFAULT_MAX_SHARD_MB = 1024
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -84,7 +86,7 @@ def write_hf_folder(config, generation_config, weights: Iterator[tuple[str, torc
             generation_config.save_pretrained(tmp)
         write_safetensors_shards(weights, tmp, max_shard_mb)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
+        tmp.chmod(umask_mode(0o777))  # mkdtemp's 0700 would ignore the user's umask
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

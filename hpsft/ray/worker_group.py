@@ -48,7 +48,7 @@ class RankActor:
 
     def build(self, worker: ClassWithInitArgs, rank_env: dict, backend: str | None) -> None:
         os.environ.update(rank_env)
-        distributed.init_distributed(backend)
+        distributed.init_distributed(backend, own_store=True)
         self.worker = worker.cls(*worker.args, **worker.kwargs)
 
     def call(self, method: str, *args, **kwargs):

@@ -12,6 +12,10 @@ writes the manifest, syncs everything to disk, renames the folder, and only then
 `latest`: an interrupted save leaves the previous checkpoint as the one a resume picks up.
 On resume, a checkpoint whose files do not match its manifest is reported and the
 previous intact one is used.
+
+hpsft's own state files load as plain data (`torch.load(weights_only=True)`: tensors, numbers,
+strings and containers of them), so a planted file cannot run code through them; DeepSpeed's
+shards are unpickled by DeepSpeed, which is why a checkpoint is code (docs/security.md).
 """
 
 import hashlib
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from hpsft.errors import UserInputError
+from hpsft.files import load_plain_data, path_inside, umask_mode
 
 STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"
@@ -48,6 +53,7 @@ def fsync_path(path: Path) -> None:
 def write_durably(path: Path, text: str) -> None:
     """Replace `path` atomically with `text`, on disk before this returns."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
@@ -86,7 +92,10 @@ def manifest_problem(folder: Path) -> str | None:
     except (ValueError, KeyError):
         return f"{MANIFEST} is unreadable"
     for name, entry in files.items():
-        path = folder / name
+        try:
+            path = path_inside(folder, name, MANIFEST)
+        except UserInputError as err:
+            return str(err)
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != entry["size"]:
@@ -197,4 +206,4 @@ class CheckpointManager:
                 f"{path} is missing: the checkpoint was written by an hpsft before trainer states were "
                 "independent of the data-parallel size; resume it with that version"
             )
-        return torch.load(path, weights_only=True)
+        return load_plain_data(path)

@@ -36,25 +36,15 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """The generators' states as numbers, tuples and tensors: loadable with weights_only=True."""
-    numpy_state = np.random.get_state(legacy=False)
-    return {
-        "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-                  "pos": numpy_state["state"]["pos"], "has_gauss": numpy_state["has_gauss"],
-                  "gauss": numpy_state["gauss"]},
-        "torch": torch.get_rng_state(),
-    }
+    """Plain data (numbers, lists, a tensor), so a checkpoint loads with weights_only=True."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached_gaussian],
+            "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    numpy_state = state["numpy"]
-    np.random.set_state({
-        "bit_generator": "MT19937",
-        "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
-        "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"],
-    })
+    np.random.set_state(tuple(state["numpy"]))
     torch.set_rng_state(state["torch"])
 
 

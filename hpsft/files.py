@@ -1,0 +1,62 @@
+"""Files hpsft writes and reads back, none of which can become a way in:
+- a path built from a name that comes from a config or from a file (a checkpoint's `latest`
+  marker, its manifest) stays inside the folder it names a file of, whatever the name holds;
+- a state file hpsft wrote loads as plain data (tensors, numbers, strings and containers of
+  them: `torch.load(weights_only=True)`), so a planted pickle cannot run code;
+- what hpsft creates follows the user's umask.
+"""
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from hpsft.errors import UserInputError
+
+
+def path_inside(root: Path, name: str, what: str) -> Path:
+    """`root / name` for a relative `name` without `..`, which stays inside `root` once
+    symbolic links are resolved; else an error naming `what` (the key or file it came from)."""
+    relative = Path(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        raise UserInputError(f"{what}: {name!r} must be a relative path inside {root} (no '..', not absolute)")
+    path = root / relative
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise UserInputError(f"{what}: {name!r} leads outside {root} (through a symbolic link)")
+    return path
+
+
+def umask() -> int:
+    """The process's umask, read from /proc where the kernel shows it: os.umask can only read
+    it by setting it, which would race with files other threads create meanwhile."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(mode: int = 0o666) -> int:
+    """`mode` as open()/mkdir() would create it under the user's umask: for files made by
+    mkstemp/mkdtemp, which use 0600/0700 whatever the umask."""
+    return mode & ~umask()
+
+
+def load_plain_data(path: Path):
+    """A file hpsft wrote with torch.save: tensors and plain containers, never unpickled objects."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        what = f"the Python object {found.group(1)}" if found else "Python objects"
+        raise UserInputError(
+            f"{path} asks to load {what}, which the files hpsft writes never hold: it was not written by this "
+            "hpsft (or was tampered with) and is not loaded; remove it, or resume from a checkpoint whose "
+            "origin you trust (docs/security.md)"
+        ) from None
