@@ -30,8 +30,9 @@ def env_from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Initialise torch.distributed (through DeepSpeed) from the launcher's environment."""
+def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """Initialise torch.distributed (through DeepSpeed) from the launcher's environment;
+    a collective waits `timeout_s` for the other ranks before failing."""
     if dist.is_initialized():
         return
     # Only inside an srun step (SLURM_STEP_ID set): the batch script's own process (or a
@@ -48,7 +49,7 @@ def init_distributed(backend: str | None = None) -> None:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
 def rank() -> int:
