@@ -41,11 +41,19 @@ def model_without_chat_template(model: Path, tmp: Path) -> None:
     config_path.write_text(json.dumps(config))
 
 
+def model_with_remote_code(model: Path, tmp: Path) -> None:
+    config_path = copy_model(model, tmp, ()) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    config_path.write_text(json.dumps(config))
+
+
 SETUPS = {
     "model_without_config": lambda model, tmp: copy_model(model, tmp, ("config.json",)),
     "model_without_weights": lambda model, tmp: copy_model(model, tmp, ("*.safetensors",)),
     "model_config_not_json": lambda model, tmp: (copy_model(model, tmp, ()) / "config.json").write_text("{oops"),
     "model_without_chat_template": model_without_chat_template,
+    "model_with_remote_code": model_with_remote_code,
 }
 
 
