@@ -91,8 +91,9 @@ class EngineConfig:
     offload_params: bool = False  # ZeRO-3 only: parameters live on the CPU
     dtype: str = "float32"  # float32 | bfloat16 (bf16 where the hardware has it)
     dist_backend: Optional[str] = None  # default: nccl on GPU, gloo on CPU
-    # How long a rank waits in a collective for the others before failing (the process group's
-    # timeout): bounds the wait when another rank died without its launcher ending this one.
+    # How long a rank waits in a collective of the default process group for the others before
+    # failing: bounds the wait when another rank died without its launcher ending this one.
+    # DeepSpeed's own groups (gradient reduction) keep torch's default (docs/checkpoints.md).
     collective_timeout_s: float = 300.0
 
     def __post_init__(self):
