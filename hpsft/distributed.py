@@ -68,8 +68,9 @@ def init_store_on_master_addr(timeout: timedelta) -> dist.TCPStore:
         listener.detach()  # the store owns the socket now
 
 
-def init_distributed(backend: str | None = None, own_store: bool = False) -> None:
-    """Initialise torch.distributed (through DeepSpeed) from the launcher's environment.
+def init_distributed(backend: str | None = None, timeout_s: float = 300.0, own_store: bool = False) -> None:
+    """Initialise torch.distributed (through DeepSpeed) from the launcher's environment;
+    a collective waits `timeout_s` for the other ranks before failing.
 
     `own_store`: hpsft chose MASTER_ADDR (a Ray worker group): rank 0 serves the rendezvous
     there only (init_store_on_master_addr), as it does for a process started without a launcher.
@@ -91,7 +92,7 @@ def init_distributed(backend: str | None = None, own_store: bool = False) -> Non
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(cuda_device_index())
-    timeout = timedelta(minutes=30)
+    timeout = timedelta(seconds=timeout_s)
     if own_store:  # DeepSpeed then adopts the initialised group
         dist.init_process_group(backend, store=init_store_on_master_addr(timeout), rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)

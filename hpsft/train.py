@@ -4,7 +4,9 @@ Works alone (one process), under torchrun, the deepspeed launcher and srun.
 """
 
 import argparse
+import os
 import sys
+import traceback
 
 from hpsft.config import ConfigError, load_config
 from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError
@@ -27,6 +29,21 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def failed(status: int) -> int:
+    """End a failed rank of a multi-process run now. The other ranks may be blocked in a
+    collective with this one: the interpreter's normal teardown (the process group's
+    destructor, non-daemon threads) could wait on them, and they wait on this process. Once
+    it is gone, its broken connections fail the others' collectives (gloo), its launcher ends
+    them (torchrun, the deepspeed launcher, `srun --kill-on-bad-exit`), or at the latest
+    engine.collective_timeout_s does."""
+    dist = sys.modules.get("torch.distributed")  # not imported by a run that failed at its config
+    if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -36,13 +53,16 @@ def main(argv=None) -> int:
         SFTTrainer(config).fit()
     except USER_ERRORS as err:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return failed(2)
     except Preempted as stop:
         from hpsft.trainer.preemption import ignore_stop_signals
 
         ignore_stop_signals()
         print(f"hpsft: {stop}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
+    except Exception:  # a bug: its traceback, then the same quick exit
+        traceback.print_exc()
+        return failed(1)
     return 0
 
 

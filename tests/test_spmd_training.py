@@ -64,7 +64,7 @@ def test_dp_and_micro_batch_invariance(tmp_path, model_path, tiny_data, split):
     train, val = tiny_data
     common = {"data.train_batch_size": 4, "trainer.total_steps": 2, "engine.zero_stage": 2}
     two_split = ({"data.micro_batch_size_per_gpu": 1} if split == "fixed"
-                 else {"data.max_tokens_per_micro_batch": 70})  # the 2 sequences of a rank exceed 70
+                 else {"data.max_tokens_per_micro_batch": 70, "data.max_length": 70})  # a rank's 2 exceed 70
     one = tmp_path / "one"
     two = tmp_path / "two"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, one, **common,
@@ -84,7 +84,8 @@ def test_stop_and_resume_reproduces_the_run(tmp_path, model_path, tiny_data):
     """6 steps straight == 3 steps, stop, resume, 3 more (mid-epoch, then across an epoch
     boundary), with token-budget micro-batches."""
     train, val = tiny_data
-    common = {"data.train_batch_size": 4, "data.max_tokens_per_micro_batch": 128, "trainer.total_steps": 6,
+    common = {"data.train_batch_size": 4, "data.max_tokens_per_micro_batch": 128, "data.max_length": 128,
+              "trainer.total_steps": 6,
               "trainer.save_every": 2, "loss.z_loss_weight": 1e-4}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, straight, **common)))

@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hpsft.config.schema import SFTConfig
@@ -37,7 +38,13 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
             path = Path(config_file)
             if not path.is_file():
                 raise ConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            try:
+                loaded = OmegaConf.load(path)
+            except yaml.YAMLError as err:
+                raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"config file {path} must hold sections (model:, data:, ...), not a list")
+            merged = OmegaConf.merge(merged, loaded)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")

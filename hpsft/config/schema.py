@@ -77,6 +77,11 @@ class DataConfig:
         check_positive("data", "num_workers", self.num_workers, allow_zero=True)
         if not self.train_files:
             raise ValueError("data.train_files is empty: give at least one parquet or jsonl file")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < self.max_length:
+            # Checked here, not when such a sequence comes: it would fail on one rank mid-run.
+            raise ValueError(f"data.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} < "
+                             f"data.max_length={self.max_length}: a sequence of max_length tokens would fit in no "
+                             "micro-batch; raise the budget or lower data.max_length")
 
 
 @dataclass(frozen=True)
@@ -86,10 +91,15 @@ class EngineConfig:
     offload_params: bool = False  # ZeRO-3 only: parameters live on the CPU
     dtype: str = "float32"  # float32 | bfloat16 (bf16 where the hardware has it)
     dist_backend: Optional[str] = None  # default: nccl on GPU, gloo on CPU
+    # How long a rank waits in a collective of the default process group for the others before
+    # failing: bounds the wait when another rank died without its launcher ending this one.
+    # DeepSpeed's own groups (gradient reduction) keep torch's default (docs/checkpoints.md).
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self):
         check_choice("engine", "zero_stage", self.zero_stage, {0, 1, 2, 3})
         check_choice("engine", "dtype", self.dtype, {"float32", "bfloat16"})
+        check_positive("engine", "collective_timeout_s", self.collective_timeout_s)
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("engine.offload_params needs engine.zero_stage=3")
         if self.offload_optimizer and self.zero_stage == 0:
@@ -135,6 +145,9 @@ class TrainerConfig:
     seed: int = 42
     output_dir: str = "runs/default"
     resume: str = "auto"  # auto (latest in output_dir) | disable | a checkpoint path
+    # Resume even from a checkpoint whose run fingerprint (model, data, tokenization, global batch,
+    # seed, objective) differs from this run's; a warning names the differences.
+    resume_force: bool = False
     # With resume=disable: delete a previous run's checkpoints, metrics, TensorBoard logs and hf/
     # in output_dir first (without it such a directory is refused).
     overwrite_output_dir: bool = False

@@ -1,4 +1,4 @@
-"""SFT dataset: parquet/jsonl rows -> tokenized, truncated, cached examples.
+"""SFT dataset: parquet, JSONL or JSON-array rows -> tokenized, truncated, cached examples.
 
 A row is either multi-turn (`messages`, optional `tools`) or single-turn
 (`prompt`/`response`); the keys are configurable. Tokenization runs once per set of
@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -66,7 +67,7 @@ def drop_nulls(value):
 
 
 def read_rows(path: Path):
-    """Yield the rows of a parquet or jsonl file as dicts.
+    """Yield the rows of a parquet, JSONL or JSON file (an array of rows, or one a line).
 
     Parquet stores a column of dicts as one struct type holding every key seen in the column,
     so a key a row lacks comes back as None (`tool_calls` on a user message, the argument names
@@ -78,20 +79,43 @@ def read_rows(path: Path):
         raise DataError(f"data file {path} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as err:
+            raise DataError(f"{path} is not a readable parquet file ({err}): rewrite it, or convert it to "
+                            ".jsonl") from None
         for batch in table.to_batches():
             yield from (drop_nulls(row) for row in batch.to_pylist())
     elif suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path} row {i}: not valid JSON ({err.msg})") from None
+        try:
+            yield from json_rows(path)
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}: not UTF-8 text ({err.reason}: {err.object[err.start:err.start + 4]!r}); "
+                            "re-encode the file as UTF-8") from None
     else:
-        raise DataError(f"data file {path}: unsupported format {suffix!r} (use .parquet or .jsonl)")
+        raise DataError(f"data file {path}: unsupported format {suffix!r} (use .parquet, .jsonl or .json)")
+
+
+def json_rows(path: Path):
+    """One JSON row a line (JSONL), or one JSON array of rows (what a .json file often holds)."""
+    with open(path, encoding="utf-8") as f:
+        first = f.read(4096).lstrip()
+        f.seek(0)
+        if first.startswith("["):
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {err.lineno}: not valid JSON ({err.msg}); a .json file holds one "
+                                "JSON array of rows, or one row a line") from None
+            yield from rows
+            return
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} row {i}: not valid JSON ({err.msg})") from None
 
 
 def row_to_messages(row: dict, opts: TokenizeOptions):
@@ -172,11 +196,18 @@ def load_or_tokenize(files: list[str], tokenizer, opts: TokenizeOptions, cache_d
     for path in files:
         if not path.is_file():
             raise DataError(f"data file {path} does not exist")
+    if opts.chat_template is None and tokenizer.chat_template is None:
+        raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no chat template: name one with "
+                        "data.chat_template=<Jinja text or .jinja file>")
     cache_path = Path(cache_dir) / f"{cache_key(files, tokenizer, opts)}.pt"
     if cache_path.is_file():
         return load_plain_data(cache_path)
+    try:  # before tokenizing, which can take long
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"data.cache_dir={cache_dir}: cannot write the tokenized data there ({err.strerror}); "
+                        "choose another data.cache_dir") from None
     data = tokenize_files(files, tokenizer, opts)
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=cache_path.name + ".", dir=cache_path.parent)
     os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
     os.close(fd)

@@ -10,12 +10,22 @@ from hpsft.errors import UserInputError
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
 
+# What transformers' from_pretrained loads weights from (a single file or a sharded index).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
 def check_model_path(path: str, trust_remote_code: bool) -> Path:
     p = Path(path)
     if not (p / "config.json").is_file():
         raise UserInputError(
             f"model.path={path}: no Hugging Face model folder there (config.json missing); "
             "run `make model` for the default or point model.path at a folder"
+        )
+    if not any((p / name).is_file() for name in WEIGHT_FILES):
+        raise UserInputError(
+            f"model.path={path}: config.json but no weights ({' or '.join(WEIGHT_FILES)}); "
+            "copy the model's weight files there, or point model.path at a complete folder"
         )
     if not trust_remote_code:
         check_no_remote_code(p)

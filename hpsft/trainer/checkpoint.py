@@ -3,8 +3,9 @@ cannot make a resume trust.
 
 Layout under <output_dir>/checkpoints/:
     global_step_<N>/      engine shards (DeepSpeed) + trainer_state.pt (step, data position
-                          in samples, RNG; the same for any dp size) + manifest.json
-                          (every file's size; sha256 of hpsft's own file)
+                          in samples, RNG; the same for any dp size)
+                          + run_fingerprint.json (what defines the run: fingerprint.py)
+                          + manifest.json (every file's size; sha256 of hpsft's own files)
     latest                the name of the newest complete checkpoint, replaced atomically
 
 A save goes to `global_step_<N>.partial/`; once every rank has written its part, rank 0
@@ -35,6 +36,7 @@ STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
+RUN_FINGERPRINT = "run_fingerprint.json"
 
 
 def warn(message: str) -> None:
@@ -77,7 +79,7 @@ def write_manifest(folder: Path) -> None:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         fsync_path(path)
         entry = {"size": path.stat().st_size}
-        if path.name == TRAINER_STATE:
+        if path.name in (TRAINER_STATE, RUN_FINGERPRINT):
             entry["sha256"] = sha256(path)
         files[path.relative_to(folder).as_posix()] = entry
     write_durably(folder / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
@@ -127,6 +129,23 @@ class CheckpointManager:
         path = self.root / self.partial_tag(step) / TRAINER_STATE
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
+
+    def save_run_fingerprint(self, step: int, fingerprint: dict) -> None:
+        """Rank 0, before the commit (the manifest then covers it)."""
+        path = self.root / self.partial_tag(step) / RUN_FINGERPRINT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fingerprint, indent=1) + "\n")
+
+    @staticmethod
+    def load_run_fingerprint(checkpoint: Path) -> dict | None:
+        """The fingerprint a checkpoint recorded; None for one written before fingerprints existed."""
+        path = checkpoint / RUN_FINGERPRINT
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            raise UserInputError(f"{path} is not valid JSON: the checkpoint is damaged") from None
 
     def commit(self, step: int) -> Path:
         """Rank 0, after every rank finished writing: publish the checkpoint."""

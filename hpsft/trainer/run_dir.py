@@ -6,12 +6,26 @@ later re-run, and metrics.jsonl would hold both curves. It is refused unless
 trainer.overwrite_output_dir=true, which deletes those outputs (nothing else) first.
 """
 
+import os
 import shutil
 from pathlib import Path
 
 # Everything a run (and `hpsft samples`/`hpsft plot` on it) writes into its output_dir besides
 # config.yaml, which every run rewrites.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "hf", "samples.md", "samples.jsonl", "plots")
+
+
+def unwritable_problem(run_dir: Path) -> str | None:
+    """Why `run_dir` cannot be created or written, or None (checked before anything slow, so
+    that a run does not fail at its first checkpoint)."""
+    existing = run_dir
+    while not existing.exists():  # its nearest existing ancestor is where it will be created
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"trainer.output_dir={run_dir}: {existing} is a file, not a folder; choose another output_dir"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"trainer.output_dir={run_dir}: {existing} is not writable by this user; choose another output_dir"
+    return None
 
 
 def previous_run_outputs(run_dir: Path) -> list[Path]:

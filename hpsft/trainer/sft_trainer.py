@@ -22,10 +22,12 @@ from hpsft.data.sampler import PositionedDistributedSampler
 from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
-from hpsft.trainer.checkpoint import CheckpointManager
+from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
+from hpsft.trainer.failure_hook import fail, failing_step
+from hpsft.trainer.fingerprint import differences, run_fingerprint
 from hpsft.trainer.nonfinite import SkippedSteps, nan_gradient_loss, nan_gradient_steps
 from hpsft.trainer.preemption import PreemptionWatch
-from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem
+from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
 from hpsft.workers import TrainingWorker
 
 
@@ -81,14 +83,18 @@ class SFTTrainer:
         self.val_dataset = build_dataset(data.val_files, self.tokenizer, data) if data.val_files else None
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()
+        # Rank 0 records it in every checkpoint and checks a resumed one against it.
+        self.fingerprint = run_fingerprint(config, self.tokenizer) if self.rank == 0 else None
+        self.checkpoints = CheckpointManager(self.run_dir)
+        resume_from = self.find_checkpoint()
 
         self.worker = self.build_worker()
         self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
         self.nan_gradient_steps = nan_gradient_steps()  # a test hook: empty in real runs
+        self.failing_step = failing_step(self.rank)  # a test hook: None in real runs
 
         # Everything that can fail on bad input has run: only now does the run directory appear
         # (and a previous run's outputs go, when the user asked for that).
-        self.checkpoints = CheckpointManager(self.run_dir)
         if self.rank == 0:
             if config.trainer.overwrite_output_dir:
                 clear_previous_run(self.run_dir)
@@ -98,12 +104,13 @@ class SFTTrainer:
         self.global_step, self.epoch = 0, 0
         self.samples_in_epoch = 0  # of the epoch's global sample order, consumed by finished steps
         self.last_checkpoint: Path | None = None  # the newest this run saved or resumed from
-        self.resume()
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
         self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
 
     def place_process(self) -> tuple[int, int, int]:
         """This process's rank and world size in torch.distributed, and the data-parallel size."""
-        distributed.init_distributed(self.config.engine.dist_backend)
+        distributed.init_distributed(self.config.engine.dist_backend, self.config.engine.collective_timeout_s)
         return distributed.rank(), distributed.world_size(), distributed.world_size()
 
     def worker_args(self) -> tuple:
@@ -145,24 +152,54 @@ class SFTTrainer:
     # ---- checkpoints -------------------------------------------------------------------
 
     def check_output_dir(self) -> None:
-        """Before anything slow: a fresh run may not mix into another run's outputs."""
+        """Before anything slow: the output_dir can be written, and a fresh run does not mix
+        into another run's outputs."""
         trainer_cfg = self.config.trainer
-        if trainer_cfg.resume != "disable":
-            return
-        problem = distributed.on_rank0_then_share(
-            lambda: fresh_start_problem(self.run_dir, trainer_cfg.overwrite_output_dir))
-        if problem is not None:
-            raise UserInputError(problem)
 
-    def resume(self) -> None:
+        def problem():
+            fresh = trainer_cfg.resume == "disable"
+            return unwritable_problem(self.run_dir) or (
+                fresh_start_problem(self.run_dir, trainer_cfg.overwrite_output_dir) if fresh else None)
+
+        found = distributed.on_rank0_then_share(problem)
+        if found is not None:
+            raise UserInputError(found)
+
+    def find_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from (None: start afresh), checked before the model is built."""
         mode = self.config.trainer.resume
         if mode == "disable":
-            return
+            return None
         find = self.checkpoints.latest if mode == "auto" else lambda: CheckpointManager.resolve(mode)
-        # Rank 0 checks the manifests and reports a damaged checkpoint once; all load its choice.
-        checkpoint = distributed.on_rank0_then_share(find)
-        if checkpoint is not None:
-            self.load_checkpoint(checkpoint)
+
+        def find_and_check():
+            checkpoint = find()
+            if checkpoint is not None:
+                self.check_fingerprint(checkpoint)
+            return checkpoint
+
+        # Rank 0 checks the manifests and fingerprint and reports once; all load its choice.
+        return distributed.on_rank0_then_share(find_and_check)
+
+    def check_fingerprint(self, checkpoint: Path) -> None:
+        """Refuse a checkpoint of a different run (see hpsft/trainer/fingerprint.py)."""
+        recorded = CheckpointManager.load_run_fingerprint(checkpoint)
+        if recorded is None:
+            warn(f"checkpoint {checkpoint} has no {RUN_FINGERPRINT} (written by an older hpsft): "
+                 "not checked against this run's model, data and batch size")
+            return
+        changed = differences(recorded, self.fingerprint)
+        if not changed:
+            return
+        if self.config.trainer.resume_force:
+            warn(f"resuming from {checkpoint} with trainer.resume_force=true although the run differs: "
+                 + "; ".join(changed))
+            return
+        raise UserInputError(
+            f"checkpoint {checkpoint} belongs to a different run: {'; '.join(changed)}. Resume with the run's "
+            "settings, start a new run in another trainer.output_dir, or set trainer.resume_force=true to "
+            "continue from it anyway"
+        )
 
     def load_checkpoint(self, checkpoint: Path) -> None:
         """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)
@@ -198,6 +235,7 @@ class SFTTrainer:
                 "skipped_steps": self.skipped_steps.total,
                 "rng": rng_state(),
             })
+            self.checkpoints.save_run_fingerprint(step, self.fingerprint)
         distributed.barrier()
         if self.rank == 0:
             self.checkpoints.commit(step)
@@ -264,6 +302,8 @@ class SFTTrainer:
             self.epoch, self.samples_in_epoch = self.epoch + 1, 0
 
     def train_step(self, batch) -> dict:
+        if self.global_step + 1 == self.failing_step:
+            fail(self.rank, self.failing_step)
         if self.global_step + 1 not in self.nan_gradient_steps:
             return self.worker.train_batch(batch)
         self.worker.set_loss_fn(nan_gradient_loss)  # the test hook of hpsft/trainer/nonfinite.py

@@ -1,0 +1,92 @@
+"""The run fingerprint: what defines a run, recorded in every checkpoint and compared on resume.
+
+A resume continues the data order, the optimizer state and the step count of the run that
+wrote the checkpoint. With other training data, another model, other tokenization or
+another global batch, the loaded data position points into different sequences and the
+run silently becomes a mix of two: such a resume is refused, naming the keys that differ,
+unless trainer.resume_force=true (then a warning names them).
+
+What is in it (flat `key: value`, JSON): the model (its path, a hash of config.json, and
+each weight file's size with a hash of its first and last MiB: cheap on big models, and
+unlike names and sizes alone it tells two fine-tunes of one architecture apart), the
+tokenizer's vocabulary size, the sha256 of every training file's content (not its path:
+a moved file is the same data), the effective chat template and the tokenization options,
+the global batch size, shuffling and the seed, and the loss terms that change the objective.
+
+What is not, because changing it on resume is harmless or meant: logging, save cadence,
+keep_last_checkpoints, output and export options, total_steps/total_epochs (extending a
+run), validation files, the optimizer's settings (e.g. a lower learning rate after
+non-finite steps), and how the global batch is split (data-parallel size, micro-batches,
+token budget, ZeRO stage): a resume with another data-parallel size is supported.
+"""
+
+import hashlib
+from pathlib import Path
+
+from hpsft.trainer.checkpoint import sha256
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLED_BYTES = 1 << 20
+
+
+def sampled_sha256(path: Path) -> str:
+    """sha256 of the size and the first and last MiB of a file (whole files up to 2 MiB)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(SAMPLED_BYTES))
+        if size > SAMPLED_BYTES:
+            f.seek(max(SAMPLED_BYTES, size - SAMPLED_BYTES))
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def text_sha256(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_fingerprint(path: str) -> dict:
+    folder = Path(path)
+    weights = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    return {
+        "model.path": str(folder.resolve()),
+        "model.config.json sha256": sha256(folder / "config.json"),
+        "model weight files": {p.name: {"bytes": p.stat().st_size, "sampled sha256": sampled_sha256(p)}
+                               for p in weights},
+    }
+
+
+def run_fingerprint(config, tokenizer) -> dict:
+    """The fingerprint of the run `config` describes; `tokenizer` carries the chat template
+    actually used (the model's own, or data.chat_template)."""
+    data, loss = config.data, config.loss
+    return {
+        **model_fingerprint(config.model.path),
+        "tokenizer vocabulary size": len(tokenizer),
+        "data.train_files sha256": [sha256(Path(f)) for f in data.train_files],
+        "chat template sha256": text_sha256(tokenizer.chat_template),
+        **{f"data.{name}": getattr(data, name) for name in (
+            "messages_key", "prompt_key", "response_key", "tools_key", "max_length", "truncation", "bad_rows",
+            "train_batch_size", "shuffle")},
+        "trainer.seed": config.trainer.seed,
+        "loss.z_loss_weight": loss.z_loss_weight,
+        "loss.label_smoothing": loss.label_smoothing,
+    }
+
+
+def shown(value) -> str:
+    """A value as a difference line shows it: hashes cut to 12 characters."""
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value[:12]
+    if isinstance(value, list):
+        return "[" + ", ".join(shown(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {shown(v)}" for k, v in value.items()) + "}"
+    return "absent" if value is None else str(value)
+
+
+def differences(recorded: dict, current: dict) -> list[str]:
+    """`key: old -> new` for every key whose value differs (or is only in one of them)."""
+    keys = list(recorded) + [key for key in current if key not in recorded]
+    return [f"{key}: {shown(recorded.get(key))} -> {shown(current.get(key))}"
+            for key in keys if recorded.get(key) != current.get(key)]
