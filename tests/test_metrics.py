@@ -35,11 +35,16 @@ def test_val_loss_is_the_plain_nll_and_other_terms_have_their_own_names(tmp_path
     out_dir = tmp_path / "run"
     # z-loss and label smoothing on: were they in val/loss or train/loss, the checks below fail.
     result = run_cli("hpsft.train", base_overrides(model_path, train, val, out_dir, **{
-        "trainer.total_steps": 1, "loss.z_loss_weight": 1e-3, "loss.label_smoothing": 0.1}))
+        "trainer.total_steps": 1, "loss.z_loss_weight": 1e-3, "loss.label_smoothing": 0.1,
+        "trainer.val_before_train": "true"}))
     assert result.returncode == 0, result.stderr[-3000:]
-    last = read_metrics(out_dir)[-1]
+    first, last = read_metrics(out_dir)[0], read_metrics(out_dir)[-1]
     reference = independent_nll(out_dir / "hf", [val])
     assert abs(last["val/loss"] - reference) <= 1e-5 * reference, (last["val/loss"], reference)
+    # trainer.val_before_train: step 0 holds the untrained model's val/loss.
+    assert first["step"] == 0 and set(first) == {"step", "val/loss"}
+    untrained = independent_nll(Path(model_path), [val])
+    assert abs(first["val/loss"] - untrained) <= 1e-5 * untrained, (first["val/loss"], untrained)
     assert last["train/z_loss"] > 0
     # Smoothing spreads 10% of the target mass over the vocabulary: the objective is far above the NLL.
     assert last["train/objective"] > last["train/loss"] + 0.1

@@ -141,6 +141,7 @@ class TrainerConfig:
     total_steps: Optional[int] = None  # if set, overrides total_epochs (epochs repeat as needed)
     stop_at_step: Optional[int] = None  # end this run early (checkpoint saved), e.g. for a job time limit
     val_every: int = 0  # steps between validations; 0: only at the end
+    val_before_train: bool = False  # a fresh run validates the untrained model first (logged at step 0)
     save_every: int = 0  # steps between checkpoints; 0: only at the end
     seed: int = 42
     output_dir: str = "runs/default"

@@ -319,6 +319,10 @@ class SFTTrainer:
             disable=self.rank != 0 or not trainer_cfg.progress_bar, dynamic_ncols=True,
         )
         last_step = min(self.total_steps, trainer_cfg.stop_at_step or self.total_steps)
+        if trainer_cfg.val_before_train and self.global_step == 0 and self.val_dataset is not None:
+            val_loss = self.validate()  # where the curve starts: the model before any update
+            if self.tracker:
+                self.tracker.log({"val/loss": val_loss}, 0)
         batches = self.batches()
         preempted = False
         with PreemptionWatch() as preemption:
