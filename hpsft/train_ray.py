@@ -7,6 +7,7 @@ with ray.address it joins that cluster.
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -29,9 +30,13 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=None, help="YAML config file (e.g. configs/sft.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ray.n_workers_per_node=4")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if importlib.util.find_spec("ray") is None:
+        print("hpsft: error: python -m hpsft.train_ray needs Ray, which is not installed: pip install 'hpsft[ray]' "
+              "(or train without Ray: python -m hpsft.train)", file=sys.stderr, flush=True)
+        return 2
     try:
         config = load_config(args.config, args.overrides)
-        from hpsft.ray import RaySFTTrainer, WorkerDiedError, WorkerFailedError  # heavy imports after the config
+        from hpsft.ray import RaySFTTrainer, WorkerFailedError, WorkerLostError  # heavy imports after the config
 
         connect(config.ray.address)
         trainer = RaySFTTrainer(config)
@@ -42,7 +47,9 @@ def main(argv=None) -> int:
     except USER_ERRORS as err:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 2
-    except (WorkerDiedError, WorkerFailedError) as err:
+    except (WorkerLostError, WorkerFailedError) as err:
+        if isinstance(err, WorkerFailedError):  # where it failed, then the one-line summary last
+            print(f"hpsft: the worker's traceback:\n{err.remote_traceback}", file=sys.stderr)
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 1
     except Preempted as stop:

@@ -119,7 +119,7 @@ def test_worker_group_scatters_per_rank_arguments_and_names_a_failing_rank(ray_a
     try:
         assert group.setdefault(PerRank(["a", "b"]), PerRank([10, 11])).get() == [10, 11]
         assert group.get("shared").get() == [1, 1]
-        with pytest.raises(WorkerFailedError, match=r"worker rank \d \(pid \d+\) failed in pop: KeyError"):
+        with pytest.raises(WorkerFailedError, match=r"worker rank \d \(node [\d.]+, pid \d+\) failed in pop: KeyError"):
             group.pop("missing").get()
         assert group.actors == []  # a failed call kills the group: its ranks may be stuck in a collective
     finally:

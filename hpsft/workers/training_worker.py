@@ -17,6 +17,24 @@ from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, write_hf_folder
 from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
+from hpsft.workers.fault_hook import maybe_fail
+
+
+# How the ranks' train_batch results make the step's, on both paths: these add up over the
+# ranks (each rank counts its share of the global batch); the others (grad_norm, lr,
+# micro_batches) are the same on every rank and taken from one.
+SUMMED_OVER_RANKS = ("objective_sum", "nll_sum", "z_loss_sum", "router_aux_loss_sum", "correct_tokens",
+                     "loss_tokens", "tokens", "computed_tokens", "flops", "peak_flops")
+
+
+def combine_ranks(outs: list[dict]) -> dict:
+    """The step's results from every rank's (the Ray driver holds them all)."""
+    return {key: sum(out[key] for out in outs) if key in SUMMED_OVER_RANKS else outs[0][key] for key in outs[0]}
+
+
+def all_reduce_ranks(out: dict) -> dict:
+    """The step's results from this rank's, on every SPMD rank (a collective)."""
+    return {**out, **dict(zip(SUMMED_OVER_RANKS, distributed.all_reduce_sum([out[k] for k in SUMMED_OVER_RANKS])))}
 
 
 def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
@@ -83,6 +101,7 @@ class TrainingWorker:
         `global_loss_tokens` (the loss-token count of the whole global batch) is all-reduced
         here when not given; the Ray driver, which sees the whole batch, passes it in.
         """
+        maybe_fail(self.engine.engine.global_steps + 1)
         lengths = seqlens(batch).tolist()
         local_loss_tokens = loss_token_count(batch)
         if global_loss_tokens is None:
