@@ -7,7 +7,6 @@ with ray.address it joins that cluster.
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -30,7 +29,9 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=None, help="YAML config file (e.g. configs/sft.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ray.n_workers_per_node=4")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if importlib.util.find_spec("ray") is None:
+    try:
+        import ray  # noqa: F401  (the [ray] extra: the SPMD path runs without it)
+    except ModuleNotFoundError:
         print("hpsft: error: python -m hpsft.train_ray needs Ray, which is not installed: pip install 'hpsft[ray]' "
               "(or train without Ray: python -m hpsft.train)", file=sys.stderr, flush=True)
         return 2

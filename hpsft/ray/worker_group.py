@@ -27,6 +27,9 @@ from hpsft.ray.resource_pool import RayResourcePool
 # Test hooks (tests/test_ray.py) set in the driver's environment reach every rank's process.
 TEST_HOOK_PREFIX = "HPSFT_TEST_"
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+# How long a failed call waits for Ray to report another rank's death, which would be the
+# cause (Ray notices a process exit within about a second).
+DEATH_NOTICE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,14 @@ class GroupFuture:
                 self.group.shutdown()
                 raise WorkerDiedError(f"worker rank {rank} ({where}) died during {self.method}: {err}") from None
             except RayTaskError as err:
+                # A rank whose peer died mid-collective fails too (gloo/NCCL: connection closed),
+                # often before Ray reports the death: the death is the cause, and restartable.
+                died = self.dead_rank(pending, rank_of)
+                if died is not None:
+                    where = self.group.describe(died)
+                    self.group.shutdown()
+                    raise WorkerDiedError(f"worker rank {died} ({where}) died during {self.method} (rank {rank} "
+                                          f"then failed: {type(err.cause).__name__})") from None
                 where = self.group.describe(rank)
                 self.group.shutdown()
                 cause = err.cause
@@ -153,6 +164,19 @@ class GroupFuture:
                     ANSI_ESCAPE.sub("", str(err)),
                 ) from None
         return results
+
+    @staticmethod
+    def dead_rank(pending: list, rank_of: dict) -> int | None:
+        """The first of the `pending` calls' ranks found dead within DEATH_NOTICE_S."""
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_NOTICE_S) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                return rank_of[ref]
+            except RayTaskError:
+                pass
+        return None
 
 
 class RayWorkerGroup:
@@ -191,7 +215,7 @@ class RayWorkerGroup:
         if not self.processes:
             return "starting"
         p = self.processes[rank]
-        return f"node {p.node_ip}, pid {p.pid}"
+        return f"node {p.node_ip} ({p.node_id[:8]}), pid {p.pid}"
 
     def placement_lines(self) -> list[str]:
         """One line per rank: which node (address and Ray node id) and process it runs in."""
