@@ -372,8 +372,30 @@ def test_hung_worker_times_out_and_the_run_restarts_from_the_last_checkpoint(
     out = tmp_path / "run"
     run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 1, "ray.call_timeout_s": 90}))
     printed = capsys.readouterr().out
-    assert re.search(r"worker rank 1 \(node [\d.]+ \(\w+\), pid \d+\) did not finish train_batch within 90 s", printed)
+    # Rank 0 waits in a collective for rank 1: both are named, rank 1 among them.
+    assert re.search(r"rank 1 \(node [\d.]+ \(\w+\), pid \d+\) did not finish train_batch within 90 s", printed)
     assert "restart 1/1" in printed and f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in printed
+    straight, restarted = last_per_step(zero3_run), last_per_step(out)
+    assert sorted(restarted) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert rel_diff(straight[step]["train/loss"], restarted[step]["train/loss"]) <= 1e-6, step
+    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_worker_lost_while_the_group_is_rebuilt_uses_up_a_restart(
+        tmp_path, model_path, data, zero3_run, capsys, monkeypatch):
+    """Rank 1 exits at step 3, then again while the new group loads step 2's checkpoint: the
+    second loss is the second restart (not an escape from the loop), the third group finishes
+    as the straight run."""
+    monkeypatch.setenv("HPSFT_TEST_WORKER_FAULT", f"exit:1:3:{tmp_path / 'once_a'},"
+                                                  f"exit:1:load_checkpoint:{tmp_path / 'once_b'}")
+    out = tmp_path / "run"
+    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 2}))
+    printed = capsys.readouterr().out
+    first, second = printed.index("restart 1/2"), printed.index("restart 2/2")
+    assert re.search(r"worker rank 1 \(.*\) died during load_checkpoint", printed[first:second])
+    assert f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in printed[second:]
     straight, restarted = last_per_step(zero3_run), last_per_step(out)
     assert sorted(restarted) == [1, 2, 3, 4]
     for step in range(1, 5):

@@ -138,7 +138,7 @@ class GroupFuture:
                 ranks = sorted(rank_of[ref] for ref in pending)
                 where = "; ".join(f"rank {r} ({self.group.describe(r)})" for r in ranks)
                 self.group.shutdown()
-                raise WorkerHungError(f"worker {where} did not finish {self.method} within "
+                raise WorkerHungError(f"worker {where} did not finish {self.method} within "  # hung or waiting on it
                                       f"{self.timeout_s:g} s (ray.call_timeout_s)")
             rank = rank_of[ready[0]]
             try:

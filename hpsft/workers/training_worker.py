@@ -149,6 +149,7 @@ class TrainingWorker:
         self.engine.save_checkpoint(root, tag)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
+        maybe_fail("load_checkpoint")
         self.engine.load_checkpoint(root, tag)
 
     def export_hf(self, out_dir: str, tokenizer) -> None:
