@@ -145,3 +145,22 @@ def all_reduce_max(value: int) -> int:
     if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def launch_description() -> str:
+    """Which launcher started this process, the world size, the nodes and the ranks per node,
+    from the variables that launcher sets (after init_distributed)."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        name, nodes, per_node = "torchrun", env.get("GROUP_WORLD_SIZE", "?"), env.get("LOCAL_WORLD_SIZE", "?")
+    elif "CROSS_SIZE" in env:
+        name, nodes, per_node = "deepspeed", env["CROSS_SIZE"], env.get("LOCAL_SIZE", "?")
+    elif "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        name = "srun"
+        nodes = env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "?"))
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "?"))
+    elif world_size() == 1:
+        name, nodes, per_node = "none", "1", "1"
+    else:  # RANK/WORLD_SIZE/MASTER_* exported by hand or by an unknown launcher
+        name, nodes, per_node = "environment variables", "?", "?"
+    return f"launcher {name}: world size {world_size()}, {nodes} node(s), {per_node} rank(s) per node"

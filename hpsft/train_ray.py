@@ -7,6 +7,7 @@ submit` does for its job); with ray.address it joins that cluster.
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -34,15 +35,28 @@ def connect(address: str | None) -> None:
         ray.init(address=address)  # None: RAY_ADDRESS
 
 
+def ray_installed() -> bool:
+    """Whether Ray (the [ray] extra: the SPMD path runs without it) can be imported, found
+    without importing it: `connect` must set Ray's environment before the import."""
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except ValueError:  # sys.modules["ray"] is None: importing it fails
+        return False
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpsft.train_ray", description=__doc__)
     parser.add_argument("--config", default=None, help="YAML config file (e.g. configs/sft.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ray.n_workers_per_node=4")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not ray_installed():
+        print("hpsft: error: python -m hpsft.train_ray needs Ray, which is not installed: pip install 'hpsft[ray]' "
+              "(or train without Ray: python -m hpsft.train)", file=sys.stderr, flush=True)
+        return 2
     try:
         config = load_config(args.config, args.overrides)
-        connect(config.ray.address)  # before anything imports ray
-        from hpsft.ray import RaySFTTrainer, WorkerDiedError, WorkerFailedError
+        connect(config.ray.address)  # before anything imports ray (its settings are read at import)
+        from hpsft.ray import RaySFTTrainer, WorkerFailedError, WorkerLostError
         trainer = RaySFTTrainer(config)
         try:
             trainer.fit()
@@ -51,7 +65,9 @@ def main(argv=None) -> int:
     except USER_ERRORS as err:
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 2
-    except (WorkerDiedError, WorkerFailedError) as err:
+    except (WorkerLostError, WorkerFailedError) as err:
+        if isinstance(err, WorkerFailedError):  # where it failed, then the one-line summary last
+            print(f"hpsft: the worker's traceback:\n{err.remote_traceback}", file=sys.stderr)
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 1
     except Preempted as stop:

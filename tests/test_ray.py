@@ -6,6 +6,7 @@ dashboard) and stops it by its PID.
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,11 +31,18 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1"}
 RAY_WORKERS = {"ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5}
 
 
+def private_ray_tmpdir() -> str:
+    """A temp dir of our own (short: Ray's socket paths must fit): Ray records the newest
+    cluster there, and a plain ray.init() elsewhere on the machine would join ours."""
+    return tempfile.mkdtemp(prefix="rt", dir="/tmp")
+
+
 @pytest.fixture(scope="module")
 def ray_address():
     """A local Ray instance for this module; its actors inherit this process's environment."""
+    temp_dir = private_ray_tmpdir()
     with pytest.MonkeyPatch.context() as patch:
-        for key, value in {**train_env(), **RAY_ENV}.items():
+        for key, value in {**train_env(), **RAY_ENV, "RAY_TMPDIR": temp_dir}.items():
             patch.setenv(key, value)
         # "local": a new instance, even where a `ray start` head (or its stale /tmp/ray/ray_current_cluster) is around
         ray.init(address="local", num_cpus=2, include_dashboard=False)
@@ -42,6 +50,7 @@ def ray_address():
             yield ray.get_runtime_context().gcs_address
         finally:
             ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +129,8 @@ def test_worker_group_scatters_per_rank_arguments_and_names_a_failing_rank(ray_a
     try:
         assert group.setdefault(PerRank(["a", "b"]), PerRank([10, 11])).get() == [10, 11]
         assert group.get("shared").get() == [1, 1]
-        with pytest.raises(WorkerFailedError, match=r"worker rank \d \(pid \d+\) failed in pop: KeyError"):
+        with pytest.raises(WorkerFailedError,
+                           match=r"worker rank \d \(node [\d.]+ \(\w+\), pid \d+\) failed in pop: KeyError"):
             group.pop("missing").get()
         assert group.actors == []  # a failed call kills the group: its ranks may be stuck in a collective
     finally:
@@ -223,7 +233,7 @@ def test_killed_worker_stops_the_driver_naming_the_rank(tmp_path, model_path, da
     with pytest.raises(WorkerDiedError) as err:
         run_driver(config, during_fit=kill_a_worker_after_step(1, record))
     assert time.monotonic() - record["killed_at"] < 20
-    assert f"worker rank 1 (pid {record['pid']}) died" in str(err.value)
+    assert re.search(rf"worker rank 1 \(node [\d.]+ \(\w+\), pid {record['pid']}\) died", str(err.value))
     # The whole group is gone, not left blocked in a collective: its resources are free again.
     deadline = time.monotonic() + 20
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
@@ -336,3 +346,200 @@ def test_ray_job_submit_to_a_local_head(tmp_path, model_path, data):
         head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops what it started
         head.wait(timeout=60)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_placement_timeout_lists_each_nodes_total_and_free_resources(ray_address):
+    """Two nodes asked of a one-node instance: the error says what a node's bundle asks and
+    what every node has, and the pending placement group is removed."""
+    from hpsft.ray.resource_pool import RayResourcePool
+
+    with pytest.raises(RuntimeError) as err:
+        RayResourcePool(2, 1, 0.5, 2)
+    message = str(err.value)
+    assert "Ray could not place 2 node(s) with {'CPU': 0.5} each" in message
+    assert "within 2 s (ray.placement_timeout_s)" in message
+    per_node = r"Per node: node [\d.]+ \(\w{8}\): total \{'CPU': 2\.0\}, free \{'CPU': [\d.]+\}\."
+    assert re.search(per_node, message), message
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
+@pytest.mark.parametrize("gpu_ids, visible, expected", [
+    ([3], "3", 0),  # Ray narrowed CUDA_VISIBLE_DEVICES to the rank's GPU
+    ([3], None, 3),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, the node's GPUs all visible
+    (["5"], "4,5,6", 1),  # NOSET, the node started with its own CUDA_VISIBLE_DEVICES
+])
+def test_a_ray_rank_takes_the_gpu_ray_gave_it(gpu_ids, visible, expected):
+    from hpsft.ray.worker_group import cuda_device_of
+
+    assert cuda_device_of(gpu_ids, visible) == expected
+
+
+def test_a_ray_gpu_outside_the_visible_devices_is_refused():
+    from hpsft.ray.worker_group import cuda_device_of
+
+    with pytest.raises(RuntimeError, match="GPU 2, not in CUDA_VISIBLE_DEVICES='0,1'"):
+        cuda_device_of([2], "0,1")
+
+
+@pytest.mark.slow
+def test_hung_worker_times_out_and_the_run_restarts_from_the_last_checkpoint(
+        tmp_path, model_path, data, zero3_run, capsys, monkeypatch):
+    """Rank 1 sleeps for good at the start of step 3: after ray.call_timeout_s (90 s: above a
+    model build on a loaded 2-core machine) the group is dropped as lost, and a new one
+    resumes from step 2's checkpoint and ends as the straight run."""
+    monkeypatch.setenv("HPSFT_TEST_WORKER_FAULT", f"hang:1:3:{tmp_path / 'hung_once'}")
+    out = tmp_path / "run"
+    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 1, "ray.call_timeout_s": 90}))
+    printed = capsys.readouterr().out
+    # Rank 0 waits in a collective for rank 1: both are named, rank 1 among them.
+    assert re.search(r"rank 1 \(node [\d.]+ \(\w+\), pid \d+\) did not finish train_batch within 90 s", printed)
+    assert "restart 1/1" in printed and f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in printed
+    straight, restarted = last_per_step(zero3_run), last_per_step(out)
+    assert sorted(restarted) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert rel_diff(straight[step]["train/loss"], restarted[step]["train/loss"]) <= 1e-6, step
+    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_worker_lost_while_the_group_is_rebuilt_uses_up_a_restart(
+        tmp_path, model_path, data, zero3_run, capsys, monkeypatch):
+    """Rank 1 exits at step 3, then again while the new group loads step 2's checkpoint: the
+    second loss is the second restart (not an escape from the loop), the third group finishes
+    as the straight run."""
+    monkeypatch.setenv("HPSFT_TEST_WORKER_FAULT", f"exit:1:3:{tmp_path / 'once_a'},"
+                                                  f"exit:1:load_checkpoint:{tmp_path / 'once_b'}")
+    out = tmp_path / "run"
+    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 2}))
+    printed = capsys.readouterr().out
+    first, second = printed.index("restart 1/2"), printed.index("restart 2/2")
+    assert re.search(r"worker rank 1 \(.*\) died during load_checkpoint", printed[first:second])
+    assert f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in printed[second:]
+    straight, restarted = last_per_step(zero3_run), last_per_step(out)
+    assert sorted(restarted) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert rel_diff(straight[step]["train/loss"], restarted[step]["train/loss"]) <= 1e-6, step
+    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
+
+
+# ---- two Ray nodes -------------------------------------------------------------------
+
+# One rank per node; each node could hold both ranks (2 CPUs), so only the group's
+# placement puts them on different nodes.
+TWO_NODES = {"ray.nnodes": 2, "ray.n_workers_per_node": 1, "ray.cpus_per_worker": 1,
+             "data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2,
+             "trainer.total_steps": 4, "trainer.save_every": 2}
+PLACEMENT_LINE = re.compile(r"rank (\d+): node ([\d.]+) \((\w+)\), pid (\d+)")
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A local Ray cluster: a head that runs nothing and two worker nodes of 2 CPUs.
+    Yields its address and the two worker nodes' ids."""
+    from ray.cluster_utils import Cluster
+
+    temp_dir = private_ray_tmpdir()
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**train_env(), **RAY_ENV, "RAY_TMPDIR": temp_dir}.items():
+            patch.setenv(key, value)  # the nodes' processes, and so the workers, inherit them
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        try:
+            nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+            cluster.wait_for_nodes()
+            yield cluster.address, {node.node_id for node in nodes}
+        finally:
+            cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def run_ray_cli(model_path, data, out, address, env=None, **extra):
+    """The Ray entry point in a fresh driver process against the cluster at `address`."""
+    train, val = data
+    return subprocess.run(
+        [sys.executable, "-m", "hpsft.train_ray",
+         *base_overrides(model_path, train, val, out, **{**TWO_NODES, "ray.address": address, **extra})],
+        cwd=REPO, env={**train_env(), **RAY_ENV, **(env or {})}, capture_output=True, text=True, timeout=900,
+    )
+
+
+def placement(stdout: str) -> dict:
+    """rank -> (Ray node id, pid) from the driver's 'ray worker group' lines."""
+    return {int(m[1]): (m[3], int(m[4])) for m in PLACEMENT_LINE.finditer(stdout)}
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory, model_path, data, two_nodes):
+    """4 steps straight on the two nodes, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("two_nodes") / "straight"
+    proc = run_ray_cli(model_path, data, out, two_nodes[0])
+    assert_ok(proc)
+    return out, proc.stdout
+
+
+@pytest.mark.slow
+def test_two_nodes_one_rank_each_match_spmd(tmp_path, model_path, data, two_nodes, two_node_run):
+    out, stdout = two_node_run
+    assert "hpsft: launcher ray: world size 2, 2 node(s), 1 rank(s) per node" in stdout
+    ranks = placement(stdout)
+    assert sorted(ranks) == [0, 1]
+    node_of = {rank: node for rank, (node, _) in ranks.items()}
+    assert node_of[0] != node_of[1], ranks  # one rank per node: the head (no CPUs) runs none
+    assert set(node_of.values()) == two_nodes[1]
+
+    train, val = data
+    spmd = tmp_path / "spmd"
+    common = {k: v for k, v in TWO_NODES.items() if not k.startswith("ray.")}
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, val, spmd, **common), nproc=2)
+    assert_ok(proc)
+    assert "hpsft: launcher torchrun: world size 2, 1 node(s), 2 rank(s) per node" in proc.stdout
+    a, b = read_metrics(spmd), read_metrics(out)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert x["train/loss_tokens"] == y["train/loss_tokens"]
+        assert rel_diff(x["train/loss"], y["train/loss"]) <= 1e-5, (x["step"], x["train/loss"], y["train/loss"])
+    assert max_rel_weight_diff(weights(spmd), weights(out)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_two_nodes_a_worker_raising_shows_its_traceback_node_and_rank(tmp_path, model_path, data, two_nodes):
+    proc = run_ray_cli(model_path, data, tmp_path / "run", two_nodes[0],
+                       env={"HPSFT_TEST_WORKER_FAULT": "raise:1:2"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    node, pid = placement(proc.stdout)[1]
+    # One summary line (Ray's copies of the workers' own output may come after it).
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpsft: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(rf"hpsft: error: worker rank 1 \(node [\d.]+ \({node[:8]}\), pid {pid}\) failed in "
+                        r"train_batch: RuntimeError: HPSFT_TEST_WORKER_FAULT: rank 1 fails at step 2", errors[0])
+    # The remote traceback, down to the line that raised, printed by the driver before the summary.
+    start = proc.stderr.index("hpsft: the worker's traceback:")
+    traceback = proc.stderr[start:proc.stderr.index(errors[0], start)]
+    assert "training_worker.py" in traceback and "in train_batch" in traceback
+    assert "fault_hook.py" in traceback and "in maybe_fail" in traceback
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
+
+
+@pytest.mark.slow
+def test_two_nodes_a_worker_killed_mid_step_restarts_from_the_last_checkpoint(
+        tmp_path, model_path, data, two_nodes, two_node_run):
+    """Rank 1's process ends at the start of step 3: a new group on the two nodes goes back
+    to step 2's checkpoint and finishes with the straight run's losses and weights."""
+    straight_dir, _ = two_node_run
+    out = tmp_path / "run"
+    proc = run_ray_cli(model_path, data, out, two_nodes[0], env={
+        "HPSFT_TEST_WORKER_FAULT": f"exit:1:3:{tmp_path / 'killed_once'}"}, **{"ray.max_restarts": 1})
+    assert_ok(proc)
+    assert re.search(r"worker rank 1 \(node [\d.]+ \(\w+\), pid \d+\) died during train_batch", proc.stdout)
+    assert "restart 1/1" in proc.stdout
+    assert f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in proc.stdout
+    ranks = placement(proc.stdout.split("restart 1/1")[1])  # the new group
+    assert len({node for node, _ in ranks.values()}) == 2
+    straight, restarted = last_per_step(straight_dir), last_per_step(out)
+    assert sorted(restarted) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert rel_diff(straight[step]["train/loss"], restarted[step]["train/loss"]) <= 1e-6, step
+    assert max_rel_weight_diff(weights(straight_dir), weights(out)) <= 1e-6

@@ -188,10 +188,15 @@ class RayConfig:
     cpus_per_worker: float = 1.0  # fractional values let several ranks share a core
     max_restarts: int = 0  # on a dead worker: recreate the group and resume from the last checkpoint
     placement_timeout_s: float = 120.0  # fail when the cluster cannot hold the workers within this time
+    # A worker call (model build, step, checkpoint, export) unanswered after this long counts
+    # as a lost worker, restartable like a dead one: under the 30-minute collective timeout
+    # after which the other ranks would fail instead. None: wait for ever.
+    call_timeout_s: Optional[float] = 1200.0
 
     def __post_init__(self):
         for name in ("nnodes", "n_workers_per_node", "cpus_per_worker", "placement_timeout_s"):
             check_positive("ray", name, getattr(self, name))
+        check_positive("ray", "call_timeout_s", self.call_timeout_s)  # None passes: no timeout
         check_positive("ray", "max_restarts", self.max_restarts, allow_zero=True)
 
 

@@ -7,6 +7,9 @@ from hpsft.ray.worker_group import (
     RayWorkerGroup,
     WorkerDiedError,
     WorkerFailedError,
+    WorkerHungError,
+    WorkerLostError,
 )
 
-__all__ = ["RaySFTTrainer", "ClassWithInitArgs", "PerRank", "RayWorkerGroup", "WorkerDiedError", "WorkerFailedError"]
+__all__ = ["RaySFTTrainer", "ClassWithInitArgs", "PerRank", "RayWorkerGroup", "WorkerDiedError", "WorkerFailedError",
+           "WorkerHungError", "WorkerLostError"]

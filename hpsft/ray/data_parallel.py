@@ -10,10 +10,7 @@ import torch
 
 from hpsft.data.batch import loss_token_count, select, seqlens
 from hpsft.ray.worker_group import PerRank, RayWorkerGroup
-
-# train_batch results that every rank reports alike; all the others (loss sums, token and
-# flop counts, ...) add up over ranks, as SPMD's step metrics all-reduce them.
-SAME_ON_ALL_RANKS = ("grad_norm", "lr", "micro_batches")
+from hpsft.workers.training_worker import combine_ranks
 
 
 def split_by_tokens(lengths: list[int], n_shards: int) -> list[list[int]]:
@@ -42,7 +39,7 @@ class DataParallelWorker:
         _, shards = self.shard(batch)
         global_loss_tokens = loss_token_count(batch)
         outs = self.group.train_batch(shards, global_loss_tokens=global_loss_tokens).get()
-        return {key: outs[0][key] if key in SAME_ON_ALL_RANKS else sum(out[key] for out in outs) for key in outs[0]}
+        return combine_ranks(outs)
 
     def infer_batch(self, batch) -> dict:
         """Per-sequence results of every rank, put back in the batch's order."""

@@ -5,16 +5,17 @@ The driver is a single process outside torch.distributed (rank 0 of a world of o
 loads whole global batches (the same sequences per step as the SPMD ranks together) and
 hands them to DataParallelWorker, which shards them over the group. Checkpoints: the
 workers write their engine shards, the driver the trainer state (step, data position in
-samples, RNG), as SPMD's rank 0 does: either kind of run resumes the other's. A dead
-worker stops the run with an error naming its rank; with ray.max_restarts > 0 the driver
-builds a new group and goes on from the last checkpoint.
+samples, RNG), as SPMD's rank 0 does: either kind of run resumes the other's. A lost worker
+(dead, or hung past ray.call_timeout_s) stops the run with an error naming its rank; with
+ray.max_restarts > 0 the driver builds a new group and goes on from the last checkpoint,
+and a group lost while being rebuilt uses up a restart too.
 """
 
 from hpsft.config import SFTConfig
 from hpsft.ray.data_parallel import DataParallelWorker
 from hpsft.ray.resource_pool import RayResourcePool
 from hpsft.ray.sampler import RankInterleavedSampler
-from hpsft.ray.worker_group import ClassWithInitArgs, RayWorkerGroup, WorkerDiedError
+from hpsft.ray.worker_group import ClassWithInitArgs, RayWorkerGroup, WorkerLostError
 from hpsft.trainer.sft_trainer import SFTTrainer, seed_everything
 from hpsft.workers import TrainingWorker
 
@@ -33,6 +34,11 @@ class RaySFTTrainer(SFTTrainer):
     def place_process(self) -> tuple[int, int, int]:
         return 0, 1, self.config.ray.nnodes * self.config.ray.n_workers_per_node
 
+    def launch_description(self) -> str:
+        ray_cfg = self.config.ray
+        return (f"launcher ray: world size {self.dp_size}, {ray_cfg.nnodes} node(s), "
+                f"{ray_cfg.n_workers_per_node} rank(s) per node")
+
     def build_sampler(self) -> RankInterleavedSampler:
         return RankInterleavedSampler(
             self.train_dataset, self.dp_size, self.config.data.train_batch_size // self.dp_size,
@@ -44,7 +50,8 @@ class RaySFTTrainer(SFTTrainer):
         pool = RayResourcePool(cfg.ray.nnodes, cfg.ray.n_workers_per_node, cfg.ray.cpus_per_worker,
                                cfg.ray.placement_timeout_s)
         worker = ClassWithInitArgs(TrainingWorker, self.worker_args())
-        group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend)
+        group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend, cfg.trainer.seed, cfg.ray.call_timeout_s)
+        print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
         group.init_model().get()
         return DataParallelWorker(group)
 
@@ -52,15 +59,17 @@ class RaySFTTrainer(SFTTrainer):
         restarts = 0
         while True:
             try:
+                if self.worker is None:  # the last group was lost: a new one, from the last checkpoint
+                    self.worker = self.build_worker()
+                    self.go_back_to_last_checkpoint()
                 return super().fit()
-            except WorkerDiedError as err:  # the group has already killed its other ranks
+            except WorkerLostError as err:  # the group has already killed its other ranks
+                self.worker = None
                 if restarts == self.config.ray.max_restarts:
                     raise
                 restarts += 1
                 print(f"{err}\nrestart {restarts}/{self.config.ray.max_restarts}: new worker group, "
                       f"resuming from {self.last_checkpoint or 'the start'}", flush=True)
-                self.worker = self.build_worker()
-                self.go_back_to_last_checkpoint()
 
     def go_back_to_last_checkpoint(self) -> None:
         if self.last_checkpoint is not None:
@@ -72,4 +81,5 @@ class RaySFTTrainer(SFTTrainer):
 
     def close(self) -> None:
         """Free the workers and their placement groups (the Ray instance stays)."""
-        self.worker.group.shutdown()
+        if self.worker is not None:
+            self.worker.group.shutdown()

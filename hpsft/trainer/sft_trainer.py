@@ -29,6 +29,7 @@ from hpsft.trainer.nonfinite import SkippedSteps, nan_gradient_loss, nan_gradien
 from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
 from hpsft.workers import TrainingWorker
+from hpsft.workers.training_worker import SUMMED_OVER_RANKS, all_reduce_ranks
 
 
 def seed_everything(seed: int) -> None:
@@ -64,6 +65,8 @@ class SFTTrainer:
     def __init__(self, config: SFTConfig):
         self.config = config
         self.rank, self.world_size, self.dp_size = self.place_process()
+        if self.rank == 0:
+            print(f"hpsft: {self.launch_description()}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
         seed_everything(config.trainer.seed)
@@ -112,6 +115,9 @@ class SFTTrainer:
         """This process's rank and world size in torch.distributed, and the data-parallel size."""
         distributed.init_distributed(self.config.engine.dist_backend, self.config.engine.collective_timeout_s)
         return distributed.rank(), distributed.world_size(), distributed.world_size()
+
+    def launch_description(self) -> str:
+        return distributed.launch_description()
 
     def worker_args(self) -> tuple:
         """TrainingWorker's constructor arguments, alike in this process and in a Ray actor."""
@@ -260,12 +266,9 @@ class SFTTrainer:
         return nll_sum / max(loss_tokens, 1.0)
 
     def step_metrics(self, out: dict, step_time: float) -> dict:
-        sums = distributed.all_reduce_sum(
-            [out["objective_sum"], out["nll_sum"], out["z_loss_sum"], out["router_aux_loss_sum"],
-             out["correct_tokens"], out["loss_tokens"], out["tokens"], out["computed_tokens"], out["flops"],
-             out["peak_flops"]]
-        )
-        objective, nll, z_loss, router_aux_loss, correct, loss_tokens, tokens, computed, flops, peak = sums
+        total = all_reduce_ranks(out)  # a no-op on the Ray driver, whose worker combined the ranks
+        objective, nll, z_loss, router_aux_loss, correct, loss_tokens, tokens, computed, flops, peak = (
+            total[key] for key in SUMMED_OVER_RANKS)
         per_token = 1.0 / max(loss_tokens, 1.0)
         # train/loss is the plain NLL; every other term of the objective has its own name.
         optional = {}

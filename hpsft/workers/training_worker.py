@@ -19,6 +19,24 @@ from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verif
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
+from hpsft.workers.fault_hook import maybe_fail
+
+
+# How the ranks' train_batch results make the step's, on both paths: these add up over the
+# ranks (each rank counts its share of the global batch); the others (grad_norm, lr,
+# micro_batches) are the same on every rank and taken from one.
+SUMMED_OVER_RANKS = ("objective_sum", "nll_sum", "z_loss_sum", "router_aux_loss_sum", "correct_tokens",
+                     "loss_tokens", "tokens", "computed_tokens", "flops", "peak_flops")
+
+
+def combine_ranks(outs: list[dict]) -> dict:
+    """The step's results from every rank's (the Ray driver holds them all)."""
+    return {key: sum(out[key] for out in outs) if key in SUMMED_OVER_RANKS else outs[0][key] for key in outs[0]}
+
+
+def all_reduce_ranks(out: dict) -> dict:
+    """The step's results from this rank's, on every SPMD rank (a collective)."""
+    return {**out, **dict(zip(SUMMED_OVER_RANKS, distributed.all_reduce_sum([out[k] for k in SUMMED_OVER_RANKS])))}
 
 
 def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
@@ -95,6 +113,7 @@ class TrainingWorker:
         `global_loss_tokens` (the loss-token count of the whole global batch) is all-reduced
         here when not given; the Ray driver, which sees the whole batch, passes it in.
         """
+        maybe_fail(self.engine.engine.global_steps + 1)
         lengths = seqlens(batch).tolist()
         local_loss_tokens = loss_token_count(batch)
         if global_loss_tokens is None:
@@ -142,6 +161,7 @@ class TrainingWorker:
         self.engine.save_checkpoint(root, tag)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
+        maybe_fail("load_checkpoint")
         self.engine.load_checkpoint(root, tag)
 
     def export_hf(self, out_dir: str, tokenizer, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> None:
