@@ -42,8 +42,14 @@ model: $(MODEL_DEMO)/config.json $(MODEL_TEST)/config.json
 data: $(DATA)/train.parquet
 
 # Fine-tune the default model on the default data; writes runs/default/.
+# A fresh run each time (the run directory's previous outputs are replaced), then the
+# replies before/after training on held-out prompts and the charts, into the run directory.
+RUN ?= runs/default
 demo: model data
-	$(PY) -m hpsft.train --config configs/sft.yaml $(ARGS)
+	$(PY) -m hpsft.train --config configs/sft.yaml trainer.output_dir=$(RUN) trainer.resume=disable \
+		trainer.overwrite_output_dir=true $(ARGS)
+	$(PY) -m hpsft.samples $(RUN)
+	$(PY) -m hpsft.plot $(RUN)
 
 # The whole suite (CPU, gloo, real model and data).
 test: model data

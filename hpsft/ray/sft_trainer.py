@@ -50,7 +50,8 @@ class RaySFTTrainer(SFTTrainer):
         pool = RayResourcePool(cfg.ray.nnodes, cfg.ray.n_workers_per_node, cfg.ray.cpus_per_worker,
                                cfg.ray.placement_timeout_s)
         worker = ClassWithInitArgs(TrainingWorker, self.worker_args())
-        group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend, cfg.trainer.seed, cfg.ray.call_timeout_s)
+        group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend, cfg.trainer.seed, cfg.ray.call_timeout_s,
+                               cfg.engine.collective_timeout_s)
         print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
         group.init_model().get()
         return DataParallelWorker(group)

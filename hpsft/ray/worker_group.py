@@ -100,7 +100,8 @@ class RankActor:
     def free_port(self) -> int:
         return distributed.free_port()
 
-    def build(self, worker: ClassWithInitArgs, rank_env: dict, backend: str | None, seed: int) -> None:
+    def build(self, worker: ClassWithInitArgs, rank_env: dict, backend: str | None, seed: int,
+              collective_timeout_s: float) -> None:
         from hpsft.trainer.sft_trainer import seed_everything
 
         os.environ.update(rank_env)
@@ -108,7 +109,7 @@ class RankActor:
         if gpu_ids:  # DeepSpeed and distributed.cuda_device_index take the device from LOCAL_RANK
             os.environ["LOCAL_RANK"] = str(cuda_device_of(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES")))
         seed_everything(seed)  # as every SPMD rank seeds itself in SFTTrainer.__init__
-        distributed.init_distributed(backend, own_store=True)
+        distributed.init_distributed(backend, collective_timeout_s, own_store=True)
         self.worker = worker.cls(*worker.args, **worker.kwargs)
 
     def call(self, method: str, *args, **kwargs):
@@ -181,7 +182,7 @@ class GroupFuture:
 
 class RayWorkerGroup:
     def __init__(self, pool: RayResourcePool, worker: ClassWithInitArgs, backend: str | None = None,
-                 seed: int = 0, call_timeout_s: float | None = None):
+                 seed: int = 0, call_timeout_s: float | None = None, collective_timeout_s: float = 300.0):
         self.pool, self.worker_class, self.call_timeout_s = pool, worker.cls, call_timeout_s
         placements = pool.placements()
         self.actors = [
@@ -201,7 +202,8 @@ class RayWorkerGroup:
             "LOCAL_RANK": str(p.local_rank),  # on a GPU, RankActor.build makes it the rank's device
             "MASTER_ADDR": self.processes[0].node_ip, "MASTER_PORT": str(master_port),
         } for p in placements]
-        self.submit("build", lambda actor: actor.build, worker, PerRank(envs), backend, seed).get()
+        self.submit("build", lambda actor: actor.build, worker, PerRank(envs), backend, seed,
+                    collective_timeout_s).get()
 
     @property
     def world_size(self) -> int:
