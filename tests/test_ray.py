@@ -385,18 +385,26 @@ def test_a_ray_gpu_outside_the_visible_devices_is_refused():
         cuda_device_of([2], "0,1")
 
 
+HUNG_BY_CALL_TIMEOUT = r"rank 1 \(node [\d.]+ \(\w+\), pid \d+\) did not finish train_batch within 90 s"
+HUNG_BY_COLLECTIVE_TIMEOUT = r"rank 0 \(node [\d.]+ \(\w+\), pid \d+\) gave up waiting for the other ranks"
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("timeouts, message", [
+    ({"ray.call_timeout_s": 90, "engine.collective_timeout_s": 300}, HUNG_BY_CALL_TIMEOUT),
+    ({"ray.call_timeout_s": "null", "engine.collective_timeout_s": 60}, HUNG_BY_COLLECTIVE_TIMEOUT),
+], ids=["call-timeout", "collective-timeout"])
 def test_hung_worker_times_out_and_the_run_restarts_from_the_last_checkpoint(
-        tmp_path, model_path, data, zero3_run, capsys, monkeypatch):
-    """Rank 1 sleeps for good at the start of step 3: after ray.call_timeout_s (90 s: above a
-    model build on a loaded 2-core machine) the group is dropped as lost, and a new one
-    resumes from step 2's checkpoint and ends as the straight run."""
+        tmp_path, model_path, data, zero3_run, capsys, monkeypatch, timeouts, message):
+    """Rank 1 sleeps for good at the start of step 3. Whichever comes first, ray.call_timeout_s
+    (90 s: above a model build on a loaded 2-core machine) or rank 0's collective giving up
+    (engine.collective_timeout_s), the group is dropped as lost, and a new one resumes from
+    step 2's checkpoint and ends as the straight run."""
     monkeypatch.setenv("HPSFT_TEST_WORKER_FAULT", f"hang:1:3:{tmp_path / 'hung_once'}")
     out = tmp_path / "run"
-    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 1, "ray.call_timeout_s": 90}))
+    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 1, **timeouts}))
     printed = capsys.readouterr().out
-    # Rank 0 waits in a collective for rank 1: both are named, rank 1 among them.
-    assert re.search(r"rank 1 \(node [\d.]+ \(\w+\), pid \d+\) did not finish train_batch within 90 s", printed)
+    assert re.search(message, printed), printed[-3000:]
     assert "restart 1/1" in printed and f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in printed
     straight, restarted = last_per_step(zero3_run), last_per_step(out)
     assert sorted(restarted) == [1, 2, 3, 4]

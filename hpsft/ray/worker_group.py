@@ -116,6 +116,13 @@ class RankActor:
         return getattr(self.worker, method)(*args, **kwargs)
 
 
+def collective_timed_out(cause: BaseException) -> bool:
+    """Whether a rank's error is its collective giving up on a peer that never came (gloo:
+    "Timed out waiting ...ms for recv operation"; NCCL's watchdog: "collective operation
+    timeout"): the peer hung, which a restart can cure, unlike a bug of the rank itself."""
+    return "timed out" in str(cause).lower() or "operation timeout" in str(cause).lower()
+
+
 class GroupFuture:
     def __init__(self, group: "RayWorkerGroup", method: str, refs: list, timeout_s: float | None):
         self.group, self.method, self.refs, self.timeout_s = group, method, refs, timeout_s
@@ -160,6 +167,11 @@ class GroupFuture:
                 where = self.group.describe(rank)
                 self.group.shutdown()
                 cause = err.cause
+                if collective_timed_out(cause):
+                    raise WorkerHungError(
+                        f"worker rank {rank} ({where}) gave up waiting for the other ranks in a collective during "
+                        f"{self.method} (engine.collective_timeout_s): a rank hung ({type(cause).__name__}: {cause})"
+                    ) from None
                 raise WorkerFailedError(
                     f"worker rank {rank} ({where}) failed in {self.method}: {type(cause).__name__}: {cause}",
                     ANSI_ESCAPE.sub("", str(err)),
