@@ -2,6 +2,7 @@
 one-node cluster (tests/slurm_cluster.py), 2 tasks under srun, must train exactly like
 the same config under torchrun with 2 processes."""
 
+import re
 import shutil
 import sys
 import tempfile
@@ -126,7 +127,7 @@ def test_signal_checkpoints_requeues_and_resumes_the_identical_run(tmp_path, slu
     assert "restart=1" in output, output[-6000:]
     resumed = [line for line in output.splitlines() if line.startswith("resumed from ")]
     assert len(resumed) == 1, output[-6000:]
-    stop_step = int(resumed[0].rsplit(" ", 1)[-1])
+    stop_step = int(re.search(r" at step (\d+)", resumed[0]).group(1))
     assert 1 <= stop_step < 4, resumed
 
     proc = run_cli("hpsft.train", base_overrides(model_path, train, val, torchrun_out, **extra), nproc=2)
