@@ -22,7 +22,7 @@ from hpsft.config import load_config, to_yaml
 from hpsft.config.secrets import MASK, mask_secrets
 from hpsft.errors import UserInputError
 from hpsft.files import path_inside
-from hpsft.trainer.checkpoint import CheckpointManager, manifest_problem
+from hpsft.trainer.checkpoint import TRAINER_STATE, CheckpointManager, manifest_problem
 from tests.conftest import REPO, base_overrides, cli_command, run_cli, train_env, write_parquet
 
 WANDB_KEY = "wandb-key-4f0c1d9e8b7a6c5d"
@@ -85,7 +85,7 @@ def test_a_planted_pickle_state_file_is_never_unpickled(trained_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run["out"], run)
     checkpoint = run / "checkpoints" / "global_step_1"
-    planted = checkpoint / "trainer_state_rank0.pt"
+    planted = checkpoint / TRAINER_STATE
     marker = tmp_path / "payload-ran"
     torch.save({"global_step": 1, "rng": CreateMarker(marker)}, planted)
     manifest = json.loads((checkpoint / "manifest.json").read_text())
