@@ -22,19 +22,24 @@ def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
+def job_env(cluster) -> dict:
+    """The environment a job of `cluster` gets (sbatch exports it): the venv's python, the
+    prebuilt DeepSpeed ops, SLURM_CONF of the private cluster, and no rank variables of a
+    launcher this test may run under (a job must derive its own)."""
+    env = cluster.env(train_env())
+    env["HPSFT_PYTHON"] = sys.executable
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 @pytest.mark.slow
 def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, model_path, tiny_data):  # noqa: F811
     train, val = tiny_data
     extra = {"engine.zero_stage": 2, "trainer.total_steps": 2}
     slurm_out, torchrun_out = tmp_path / "slurm_run", tmp_path / "torchrun_run"
 
-    # The job gets this environment (sbatch exports it): the venv's python, the prebuilt
-    # DeepSpeed ops, SLURM_CONF of the private cluster.
-    env = slurm_cluster.env(train_env())
-    env["HPSFT_PYTHON"] = sys.executable
-    # A job started under torchrun/another launcher must not hand its rank variables over.
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = job_env(slurm_cluster)
     log = tmp_path / "slurm-%j.out"
     t0 = time.monotonic()
     submit = slurm_cluster.run_with_env(
@@ -80,10 +85,8 @@ set -euo pipefail
 PROBE=batch {sys.executable} -c "$PROBE_CODE"
 PROBE=srun srun --kill-on-bad-exit=1 {sys.executable} -c "$PROBE_CODE"
 """)
-    env = slurm_cluster.env(train_env())
+    env = job_env(slurm_cluster)
     env["PROBE_CODE"] = PROBE
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     log = tmp_path / "probe-%j.out"
     job_id = slurm_cluster.run_with_env(env, "sbatch", "--parsable", "--ntasks=2", f"--chdir={REPO}",
                                         f"--output={log}", str(script)).stdout.strip().split(";")[0]
@@ -105,10 +108,7 @@ def test_signal_checkpoints_requeues_and_resumes_the_identical_run(tmp_path, slu
     train, val = tiny_data
     extra = {"engine.zero_stage": 2, "trainer.total_steps": 4, "trainer.export_hf": "false"}
     slurm_out, torchrun_out = tmp_path / "slurm_run", tmp_path / "torchrun_run"
-    env = slurm_cluster.env(train_env())
-    env["HPSFT_PYTHON"] = sys.executable
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = job_env(slurm_cluster)
     log = tmp_path / "slurm-%j.out"
     job_id = slurm_cluster.run_with_env(
         env, "sbatch", "--parsable", "--ntasks=2", f"--chdir={REPO}", f"--output={log}", str(SBATCH_SCRIPT),
@@ -145,13 +145,12 @@ def test_ray_cluster_inside_an_allocation_runs_the_ray_path(tmp_path, slurm_clus
     driver against it, the Ray cluster gone with the job."""
     train, val = tiny_data
     out = tmp_path / "ray_run"
-    env = slurm_cluster.env(train_env())
+    env = job_env(slurm_cluster)
+    env.pop("RAY_ADDRESS", None)  # the job's driver joins the cluster the job starts
     # A temp dir of the job's own (short: Ray's socket paths must fit): the default /tmp/ray
     # would keep a ray_current_cluster file that a later plain ray.init() tries to join.
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
-    env.update(HPSFT_PYTHON=sys.executable, RAY_AUTH_MODE="disabled", RAY_PORT=str(free_port()), RAY_TMPDIR=ray_tmp)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
-        env.pop(key, None)
+    env.update(RAY_AUTH_MODE="disabled", RAY_PORT=str(free_port()), RAY_TMPDIR=ray_tmp)
     log = tmp_path / "ray-%j.out"
     overrides = base_overrides(model_path, train, val, out, **{
         "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5, "trainer.export_hf": "false"})
