@@ -106,7 +106,7 @@ def test_driver_batches_are_the_spmd_ranks_batches_together():
     from hpsft.ray.sampler import RankInterleavedSampler
 
     dataset, dp, per_rank = list(range(19)), 2, 3
-    driver = RankInterleavedSampler(dataset, dp, per_rank, shuffle=True, seed=5)
+    driver = RankInterleavedSampler(dataset, None, dp, per_rank, shuffle=True, seed=5)
     ranks = [DistributedSampler(dataset, dp, r, shuffle=True, seed=5, drop_last=True) for r in range(dp)]
     for epoch in (0, 1):
         driver.set_position(epoch, 0)
