@@ -128,3 +128,16 @@ def test_a_custom_class_mixture_trains_its_rows_and_logs_per_dataset_losses(tmp_
     val_tokens = {"val_a": sum(supervised_tokens(val_a)), "val_b": sum(supervised_tokens(val_b))}
     combined = sum(val[f"val/loss/{n}"] * t for n, t in val_tokens.items()) / sum(val_tokens.values())
     assert abs(combined - val["val/loss"]) <= LOSS_RTOL * val["val/loss"], (combined, val)
+
+
+def test_the_ray_driver_adds_per_dataset_sums_element_wise_over_ranks():
+    """The Ray path's reduction (SPMD all-reduces the same keys in one collective)."""
+    from hpsft.workers.training_worker import SUMMED_OVER_RANKS, combine_ranks
+
+    def rank_out(nll, tokens):
+        return {**{key: 1.0 for key in SUMMED_OVER_RANKS}, "source_nll_sums": nll, "source_loss_tokens": tokens,
+                "grad_norm": 0.5, "lr": 1e-3, "micro_batches": 2}
+
+    total = combine_ranks([rank_out([1.5, 0.0], [3, 0]), rank_out([2.0, 4.0], [1, 2])])
+    assert total["source_nll_sums"] == [3.5, 4.0] and total["source_loss_tokens"] == [4, 2]
+    assert total["nll_sum"] == 2.0 and total["grad_norm"] == 0.5
