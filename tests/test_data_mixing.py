@@ -130,9 +130,10 @@ def test_a_custom_class_mixture_trains_its_rows_and_logs_per_dataset_losses(tmp_
     assert abs(combined - val["val/loss"]) <= LOSS_RTOL * val["val/loss"], (combined, val)
 
 
-def test_the_ray_driver_adds_per_dataset_sums_element_wise_over_ranks():
-    """The Ray path's reduction (SPMD all-reduces the same keys in one collective)."""
-    from hpsft.workers.training_worker import SUMMED_OVER_RANKS, combine_ranks
+def test_per_dataset_sums_add_up_element_wise_over_ranks():
+    """The Ray driver's reduction, and SPMD's one all-reduce of the flattened values split
+    back into the same keys (here in one process: the sum over one rank)."""
+    from hpsft.workers.training_worker import SUMMED_OVER_RANKS, all_reduce_ranks, combine_ranks
 
     def rank_out(nll, tokens):
         return {**{key: 1.0 for key in SUMMED_OVER_RANKS}, "source_nll_sums": nll, "source_loss_tokens": tokens,
@@ -141,3 +142,6 @@ def test_the_ray_driver_adds_per_dataset_sums_element_wise_over_ranks():
     total = combine_ranks([rank_out([1.5, 0.0], [3, 0]), rank_out([2.0, 4.0], [1, 2])])
     assert total["source_nll_sums"] == [3.5, 4.0] and total["source_loss_tokens"] == [4, 2]
     assert total["nll_sum"] == 2.0 and total["grad_norm"] == 0.5
+    reduced = all_reduce_ranks({**rank_out([1.5, 0.0, 2.5], [3, 0, 5]), "nll_sum": 4.0})
+    assert reduced["source_nll_sums"] == [1.5, 0.0, 2.5] and reduced["source_loss_tokens"] == [3, 0, 5]
+    assert reduced["nll_sum"] == 4.0 and reduced["loss_tokens"] == 1.0
