@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
         marks = COLOR_MARKS if color else PLAIN_MARKS
         lengths, refused, shown = [], Counter(), 0
-        for path in map(Path, config.data.train_files):
+        for path in (Path(source.path) for source in config.data.train_sources()):
             for row_idx, row in enumerate(read_rows(path)):
                 if args.stats_rows is not None and len(lengths) + sum(refused.values()) >= args.stats_rows:
                     break

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         if not (args.run_dir / "config.yaml").is_file():
             raise UserInputError(f"{args.run_dir} has no config.yaml: give a run directory (trainer.output_dir)")
         config = load_config(str(args.run_dir / "config.yaml"))
-        prompts_file = args.prompts or (Path(config.data.val_files[0]) if config.data.val_files else None)
+        prompts_file = args.prompts or (Path(config.data.val_sources()[0].path) if config.data.val_files else None)
         if prompts_file is None:
             raise UserInputError("the run has no validation file: name a file of held-out chats with --prompts")
         pairs = held_out_prompts(prompts_file, args.n, TokenizeOptions.from_data_config(config.data))

@@ -270,7 +270,7 @@ def test_data_chat_template_setting_is_used(tmp_path, model_tokenizers, as_file)
     setting = str(TEMPLATES / "gemma.jinja") if as_file else template
     path = write_jsonl([{"messages": MULTI_TURN}], tmp_path / "chats.jsonl")
     config = DataConfig(train_files=[path], val_files=[], chat_template=setting, cache_dir=str(tmp_path / "cache"))
-    item = build_dataset([path], tok, config)[0]
+    item = build_dataset(config.train_sources(), tok, config)[0]
     assert tok.decode(item["input_ids"]).startswith("<bos><start_of_turn>user\nWhat is the capital of France?")
     assert tok.decode(item["input_ids"][item["loss_mask"]]) == (
         "Paris.<end_of_turn>Rome.\nIt has been the capital since 1871.<end_of_turn>"

@@ -106,7 +106,7 @@ def test_driver_batches_are_the_spmd_ranks_batches_together():
     from hpsft.ray.sampler import RankInterleavedSampler
 
     dataset, dp, per_rank = list(range(19)), 2, 3
-    driver = RankInterleavedSampler(dataset, dp, per_rank, shuffle=True, seed=5)
+    driver = RankInterleavedSampler(dataset, None, dp, per_rank, shuffle=True, seed=5)
     ranks = [DistributedSampler(dataset, dp, r, shuffle=True, seed=5, drop_last=True) for r in range(dp)]
     for epoch in (0, 1):
         driver.set_position(epoch, 0)
@@ -138,10 +138,15 @@ def test_worker_group_scatters_per_rank_arguments_and_names_a_failing_rank(ray_a
 
 
 @pytest.mark.slow
-def test_ray_matches_spmd(tmp_path, model_path, data, ray_address):
-    """2 Ray workers == 2 torchrun ranks: every step's loss and the final weights (fp32)."""
+def test_ray_matches_spmd(tmp_path, model_path, data, ray_address, chat_rows):
+    """2 Ray workers == 2 torchrun ranks: every step's loss and the final weights (fp32), on a
+    3:1 mixture of two training files, with per-dataset train and val losses (the SPMD ranks
+    all-reduce them, the driver adds up its workers')."""
     train, val = data
-    common = {"trainer.total_steps": 3, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 2}
+    other = write_parquet([{"messages": c} for c in chat_rows[24:36]], tmp_path / "other.parquet")
+    common = {"trainer.total_steps": 3, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 2,
+              "data.train_files": f"[{{path: {train}, weight: 3}}, {{path: {other}, weight: 1}}]",
+              "data.val_files": f"[{val}, {other}]"}
     spmd, on_ray = tmp_path / "spmd", tmp_path / "ray"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, spmd, **common), nproc=2))
     proc = subprocess.run(
@@ -155,7 +160,14 @@ def test_ray_matches_spmd(tmp_path, model_path, data, ray_address):
     for x, y in zip(a, b):
         assert x["train/loss_tokens"] == y["train/loss_tokens"]
         assert rel_diff(x["train/loss"], y["train/loss"]) <= 1e-5, (x["step"], x["train/loss"], y["train/loss"])
-    assert rel_diff(a[-1]["val/loss"], b[-1]["val/loss"]) <= 1e-5
+        per_dataset = sorted(k for k in x if k.startswith(("train/loss/", "train/loss_tokens/")))
+        assert per_dataset and per_dataset == sorted(k for k in y if k.startswith(("train/loss/", "train/loss_tokens/")))
+        assert sum(x[f"train/loss_tokens/{n}"] for n in ("train", "other") if f"train/loss_tokens/{n}" in x) == (
+            x["train/loss_tokens"])
+        for key in per_dataset:
+            assert rel_diff(x[key], y[key]) <= 1e-5, (x["step"], key, x[key], y[key])
+    for key in ("val/loss", "val/loss/val", "val/loss/other"):
+        assert rel_diff(a[-1][key], b[-1][key]) <= 1e-5, key
     assert max_rel_weight_diff(weights(spmd), weights(on_ray)) <= 1e-5
     # Checkpoint mode "ray": engine shards from both workers, one trainer state from the driver.
     checkpoint = on_ray / "checkpoints" / "global_step_3"

@@ -4,8 +4,11 @@ Choice-valued fields are validated in `__post_init__` so a bad value fails at st
 with the valid choices named.
 """
 
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Optional
+from pathlib import PurePath
+from typing import Any, Optional
 
 
 def check_choice(section: str, name: str, value, choices) -> None:
@@ -49,11 +52,81 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class DataSource:
+    """One entry of data.train_files or data.val_files: a path, or {path, weight, name}."""
+
+    path: str
+    name: str  # in per-dataset metrics (train/loss/<name>); default: the file's stem
+    weight: Optional[float]  # sampling weight (train_files only); None: not given
+
+
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def data_source(key: str, i: int, entry) -> DataSource:
+    where = f"data.{key}[{i}]"
+    if isinstance(entry, str):
+        entry = {"path": entry}
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be a file path or a mapping {{path, weight, name}}, got {entry!r}")
+    unknown = sorted(set(entry) - {"path", "weight", "name"})
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {unknown}; an entry is a path or {{path, weight, name}}")
+    path, weight = entry.get("path"), entry.get("weight")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where} needs a 'path' (the data file), got {path!r}")
+    name = entry.get("name", PurePath(path).stem)
+    if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name):
+        raise ValueError(f"{where} name {name!r} must be letters, digits, '_', '.' or '-' (it names metrics, "
+                         "train/loss/<name>): set 'name'")
+    if weight is not None:
+        if key == "val_files":
+            raise ValueError(f"{where} has a weight: validation evaluates every sequence once, weights apply to "
+                             "data.train_files only; remove it")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight)
+                                                                                   and weight > 0):
+            raise ValueError(f"{where} weight must be a number > 0, got {weight!r}")
+        weight = float(weight)
+    return DataSource(path, name, weight)
+
+
+def data_sources(key: str, entries) -> tuple[DataSource, ...]:
+    """data.train_files or data.val_files as DataSources, checked: names unique, and weights
+    given for every entry or for none (a mixture, or the files concatenated)."""
+    sources = tuple(data_source(key, i, entry) for i, entry in enumerate(entries))
+    names = [s.name for s in sources]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"data.{key}: {names.count(name)} entries are named {name!r} (a name defaults to the "
+                             "file's stem): give each a distinct 'name'")
+    weighted = [s.weight is not None for s in sources]
+    if any(weighted) and not all(weighted):
+        missing = [s.path for s in sources if s.weight is None]
+        raise ValueError(f"data.{key}: some entries have a weight and {missing} do not: give every entry a "
+                         "weight (a weighted mixture) or none (the files concatenated)")
+    return sources
+
+
+@dataclass(frozen=True)
+class CustomClassConfig:
+    """A dataset class of the user's, used instead of the built-in one (docs/data.md)."""
+
+    path: Optional[str] = None  # a .py file defining the class
+    name: Optional[str] = None  # the class's name in that file
+
+    def __post_init__(self):
+        if (self.path is None) != (self.name is None):
+            raise ValueError("data.custom_cls needs both path (a .py file) and name (the class in it)")
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    train_files: list[str] = field(default_factory=lambda: [".cache/data/chatterbot/train.parquet"])
+    # Each entry: a file path, or {path, weight, name} (docs/data.md, "Mixing datasets").
+    train_files: list[Any] = field(default_factory=lambda: [".cache/data/chatterbot/train.parquet"])
     # None by default: a validation split belongs to its training data (configs/sft.yaml names
     # the demo's); a default would silently validate other data on the demo's split.
-    val_files: list[str] = field(default_factory=list)
+    val_files: list[Any] = field(default_factory=list)  # entries as train_files, without weights
+    custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
     messages_key: str = "messages"  # multi-turn chat rows (OpenAI style)
     prompt_key: str = "prompt"  # single-turn rows, used when a row has no messages_key
     response_key: str = "response"
@@ -77,11 +150,24 @@ class DataConfig:
         check_positive("data", "num_workers", self.num_workers, allow_zero=True)
         if not self.train_files:
             raise ValueError("data.train_files is empty: give at least one parquet or jsonl file")
+        self.train_sources()
+        self.val_sources()
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < self.max_length:
             # Checked here, not when such a sequence comes: it would fail on one rank mid-run.
             raise ValueError(f"data.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} < "
                              f"data.max_length={self.max_length}: a sequence of max_length tokens would fit in no "
                              "micro-batch; raise the budget or lower data.max_length")
+
+    def train_sources(self) -> tuple[DataSource, ...]:
+        return data_sources("train_files", self.train_files)
+
+    def val_sources(self) -> tuple[DataSource, ...]:
+        return data_sources("val_files", self.val_files)
+
+    def mixture_weights(self) -> Optional[list[float]]:
+        """The training sources' sampling weights; None when the files are concatenated."""
+        weights = [s.weight for s in self.train_sources()]
+        return None if weights[0] is None else weights
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Jagged batches: samples -> a TensorDict of nested tensors (layout torch.jagged).
 
 Nothing is padded. All fields share one set of offsets (the batch's cu_seqlens), so
-`batch["input_ids"].offsets()` describes every field.
+`batch["input_ids"].offsets()` describes every field. Per sequence: `index` (its position
+in the dataset) and `source` (which data.train_files/val_files entry it comes from; a sample
+that does not say is from the first).
 """
 
 import torch
@@ -10,7 +12,8 @@ from tensordict import TensorDict
 FIELDS = ("input_ids", "loss_mask", "position_ids")
 
 
-def jagged_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor) -> TensorDict:
+def jagged_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
+                 source: torch.Tensor) -> TensorDict:
     """Build a batch from flat values and offsets (offsets[0] == 0, offsets[-1] == numel)."""
     lengths = offsets.diff()
     starts = torch.repeat_interleave(offsets[:-1], lengths)
@@ -21,11 +24,12 @@ def jagged_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torc
         for name, values in (("input_ids", input_ids), ("loss_mask", loss_mask), ("position_ids", position_ids))
     }
     fields["index"] = index
+    fields["source"] = source
     return TensorDict(fields, batch_size=[offsets.numel() - 1])
 
 
 def collate_jagged(samples: list[dict]) -> TensorDict:
-    """Dataloader collate_fn: a list of {input_ids, loss_mask, index} -> jagged TensorDict."""
+    """Dataloader collate_fn: a list of {input_ids, loss_mask, index, source?} -> jagged TensorDict."""
     lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.int64)
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
@@ -34,13 +38,14 @@ def collate_jagged(samples: list[dict]) -> TensorDict:
         torch.cat([s["loss_mask"] for s in samples]),
         offsets,
         torch.tensor([s["index"] for s in samples], dtype=torch.int64),
+        torch.tensor([s.get("source", 0) for s in samples], dtype=torch.int64),
     )
 
 
 def empty_batch() -> TensorDict:
     return jagged_batch(
         torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool),
-        torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
     )
 
 

@@ -90,7 +90,8 @@ class PackedCausalLM(nn.Module):
             label_smoothing=self.label_smoothing, softcap=self.output_side.softcap, return_logprobs=True,
         )
 
-    def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False) -> dict:
+    def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False,
+                sequence_nll: bool = False) -> dict:
         """The row's loss terms, as sums over its loss tokens:
           loss            the training objective: cross-entropy (with z-loss and label
                           smoothing when set) + router_aux_loss_coef * router_aux_loss * n_tokens
@@ -101,16 +102,18 @@ class PackedCausalLM(nn.Module):
           router_aux_loss the family's load-balancing loss of this row (MoE; else 0, detached)
           correct         argmax hits on the loss tokens, or -1 when not measured
         With per_sequence (no gradients needed): {nll, n_tokens} as (B,) tensors per sequence.
+        With sequence_nll (training): also sequence_nll and sequence_tokens, the same (B,)
+        tensors (detached), for per-dataset losses.
         """
         hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets)
         out = self.token_losses(hidden, input_ids, offsets, loss_mask, "none" if per_sequence else "sum")
         if per_sequence:
-            lengths = offsets.diff()
-            sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-            nll_rows = -out.logprobs
-            nll = nll_rows.new_zeros(lengths.numel()).index_add(0, sequence_of_row, nll_rows)
-            targets = target_mask(loss_mask.bool(), offsets).long()
-            return {"nll": nll, "n_tokens": torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)}
+            nll, n_tokens = per_sequence_sums(out.logprobs, loss_mask, offsets)
+            return {"nll": nll, "n_tokens": n_tokens}
+        by_sequence = {}
+        if sequence_nll:
+            nll, n_tokens = per_sequence_sums(out.logprobs.detach(), loss_mask, offsets)
+            by_sequence = {"sequence_nll": nll, "sequence_tokens": n_tokens}
         loss = out.loss
         aux = loss.new_zeros(())
         if router_logits is not None:
@@ -118,7 +121,7 @@ class PackedCausalLM(nn.Module):
             loss = loss + self.output_side.router_aux_loss_coef * aux * out.n_tokens
         correct = self.count_correct(hidden, input_ids[0], offsets, loss_mask) if self.token_accuracy else -1
         return {"loss": loss, "nll": -out.logprobs.sum(), "n_tokens": out.n_tokens, "z_loss": out.z_loss,
-                "router_aux_loss": aux.detach(), "correct": torch.as_tensor(correct)}
+                "router_aux_loss": aux.detach(), "correct": torch.as_tensor(correct), **by_sequence}
 
     @torch.no_grad()
     def count_correct(self, hidden, input_ids, offsets, loss_mask, chunk: int = 2048) -> int:
@@ -143,6 +146,16 @@ class PackedCausalLM(nn.Module):
         logits = self.lm.get_output_embeddings()(self.hidden_states(input_ids, position_ids, offsets)[0])
         softcap = self.output_side.softcap
         return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def per_sequence_sums(logprobs, loss_mask, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's NLL sum and loss-token count, from the op's per-row log-probabilities
+    (zero on rows that predict no target; row t - 1 predicts token t of the same sequence)."""
+    lengths = offsets.diff()
+    sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    nll = logprobs.new_zeros(lengths.numel()).index_add(0, sequence_of_row, -logprobs)
+    targets = target_mask(loss_mask.bool(), offsets).long()
+    return nll, torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)
 
 
 def eager_reference_logprobs(lm: nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:

@@ -3,18 +3,16 @@ samplers pick in the same step, so both paths train on the same data."""
 
 from torch.utils.data import Sampler
 
-from hpsft.data.sampler import PositionedDistributedSampler
+from hpsft.data.sampler import training_sampler
 
 
 class RankInterleavedSampler(Sampler):
     """Step k yields rank 0's k-th batch of `batch_per_rank` indices, then rank 1's, ...;
     a loader with batch_size = dp_size * batch_per_rank then returns the SPMD global batch."""
 
-    def __init__(self, dataset, dp_size: int, batch_per_rank: int, shuffle: bool, seed: int):
-        self.rank_samplers = [
-            PositionedDistributedSampler(dataset, num_replicas=dp_size, rank=r, shuffle=shuffle, seed=seed)
-            for r in range(dp_size)
-        ]
+    def __init__(self, dataset, weights: list[float] | None, dp_size: int, batch_per_rank: int, shuffle: bool,
+                 seed: int):
+        self.rank_samplers = [training_sampler(dataset, weights, dp_size, r, shuffle, seed) for r in range(dp_size)]
         self.batch_per_rank = batch_per_rank
 
     def set_position(self, epoch: int, samples_consumed: int) -> None:

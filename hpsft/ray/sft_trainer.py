@@ -41,7 +41,8 @@ class RaySFTTrainer(SFTTrainer):
 
     def build_sampler(self) -> RankInterleavedSampler:
         return RankInterleavedSampler(
-            self.train_dataset, self.dp_size, self.config.data.train_batch_size // self.dp_size,
+            self.train_dataset, self.config.data.mixture_weights(), self.dp_size,
+            self.config.data.train_batch_size // self.dp_size,
             shuffle=self.config.data.shuffle, seed=self.config.trainer.seed,
         )
 

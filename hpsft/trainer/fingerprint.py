@@ -10,8 +10,11 @@ What is in it (flat `key: value`, JSON): the model (its path, a hash of config.j
 each weight file's size with a hash of its first and last MiB: cheap on big models, and
 unlike names and sizes alone it tells two fine-tunes of one architecture apart), the
 tokenizer's vocabulary size, the sha256 of every training file's content (not its path:
-a moved file is the same data), the effective chat template and the tokenization options,
-the global batch size, shuffling and the seed, and the loss terms that change the objective.
+a moved file is the same data; a custom dataset's path that is no file: the path), the
+mixture weights (when the training files have weights) and the custom dataset class (its
+file's sha256 and name, when one is used), the effective chat template and the tokenization
+options, the global batch size, shuffling and the seed, and the loss terms that change the
+objective. Source names are not: they name metrics only.
 
 What is not, because changing it on resume is harmless or meant: logging, save cadence,
 keep_last_checkpoints, output and export options, total_steps/total_epochs (extending a
@@ -56,6 +59,21 @@ def model_fingerprint(path: str) -> dict:
     }
 
 
+def source_fingerprint(path: str) -> str:
+    return sha256(Path(path)) if Path(path).is_file() else path
+
+
+def data_fingerprint(data) -> dict:
+    """The training data; keys for mixing and custom classes only when used, so that the
+    checkpoints of runs without them still match."""
+    found = {"data.train_files sha256": [source_fingerprint(s.path) for s in data.train_sources()]}
+    if data.mixture_weights() is not None:
+        found["data.train_files weights"] = data.mixture_weights()
+    if data.custom_cls.path is not None:
+        found["data.custom_cls"] = {"sha256": sha256(Path(data.custom_cls.path)), "name": data.custom_cls.name}
+    return found
+
+
 def run_fingerprint(config, tokenizer) -> dict:
     """The fingerprint of the run `config` describes; `tokenizer` carries the chat template
     actually used (the model's own, or data.chat_template)."""
@@ -63,7 +81,7 @@ def run_fingerprint(config, tokenizer) -> dict:
     return {
         **model_fingerprint(config.model.path),
         "tokenizer vocabulary size": len(tokenizer),
-        "data.train_files sha256": [sha256(Path(f)) for f in data.train_files],
+        **data_fingerprint(data),
         "chat template sha256": text_sha256(tokenizer.chat_template),
         **{f"data.{name}": getattr(data, name) for name in (
             "messages_key", "prompt_key", "response_key", "tools_key", "max_length", "truncation", "bad_rows",

@@ -17,8 +17,10 @@ from tqdm import tqdm
 from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
+from hpsft.data.custom_dataset import load_custom_class
 from hpsft.data.dataset import SFTDataset, TokenizeOptions, chat_template_text, load_or_tokenize
-from hpsft.data.sampler import PositionedDistributedSampler
+from hpsft.data.sampler import training_sampler
+from hpsft.data.sources import SourcedDataset
 from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.tracking import Tracker
@@ -51,11 +53,24 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def build_dataset(files, tokenizer, data_config) -> SFTDataset:
-    """Rank 0 tokenizes (or reads the cache); the others then read the cache."""
+def build_dataset(sources, tokenizer, data_config) -> SourcedDataset:
+    """One dataset per source (DataSource), seen as one. Built-in: rank 0 tokenizes (or reads
+    the cache), the others then read the cache. A custom class (data.custom_cls) is built on
+    every rank from its source's path."""
+    custom = data_config.custom_cls
+    if custom.path is not None:
+        cls = load_custom_class(custom.path, custom.name)
+        datasets = [cls(data_files=[s.path], tokenizer=tokenizer, config=data_config) for s in sources]
+        return SourcedDataset(datasets, [s.name for s in sources], data_config.max_length,
+                              f"class {custom.name} of {custom.path}")
     opts = TokenizeOptions.from_data_config(data_config)
-    distributed.on_rank0_then_share(lambda: load_or_tokenize(files, tokenizer, opts, data_config.cache_dir) and None)
-    return SFTDataset(load_or_tokenize(files, tokenizer, opts, data_config.cache_dir))
+
+    def tokenized(path: str) -> dict:
+        return load_or_tokenize([path], tokenizer, opts, data_config.cache_dir)
+
+    distributed.on_rank0_then_share(lambda: [tokenized(s.path) for s in sources] and None)
+    return SourcedDataset([SFTDataset(tokenized(s.path)) for s in sources], [s.name for s in sources],
+                          data_config.max_length, "built-in dataset")
 
 
 class SFTTrainer:
@@ -82,8 +97,8 @@ class SFTTrainer:
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         if data.chat_template is not None:  # also what the exported tokenizer carries
             self.tokenizer.chat_template = chat_template_text(data.chat_template)
-        self.train_dataset = build_dataset(data.train_files, self.tokenizer, data)
-        self.val_dataset = build_dataset(data.val_files, self.tokenizer, data) if data.val_files else None
+        self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data)
+        self.val_dataset = build_dataset(data.val_sources(), self.tokenizer, data) if data.val_files else None
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()
         # Rank 0 records it in every checkpoint and checks a resumed one against it.
@@ -131,10 +146,8 @@ class SFTTrainer:
         return worker
 
     def build_sampler(self):
-        return PositionedDistributedSampler(
-            self.train_dataset, num_replicas=self.world_size, rank=self.rank,
-            shuffle=self.config.data.shuffle, seed=self.config.trainer.seed,
-        )
+        return training_sampler(self.train_dataset, self.config.data.mixture_weights(), self.world_size, self.rank,
+                                self.config.data.shuffle, self.config.trainer.seed)
 
     def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()
@@ -251,19 +264,27 @@ class SFTTrainer:
 
     # ---- loop --------------------------------------------------------------------------
 
-    def validate(self) -> float:
-        """Token-mean NLL over the whole validation set (every sequence exactly once)."""
+    def validate(self) -> dict:
+        """val/loss: the token-mean NLL over the whole validation set (every sequence exactly
+        once); with several validation sources also val/loss/<name> over each one's tokens."""
         indices = list(range(self.rank, len(self.val_dataset), self.world_size))
         chunks = [indices[i:i + self.batch_per_rank] for i in range(0, len(indices), self.batch_per_rank)]
         n_chunks = distributed.all_reduce_max(len(chunks))
-        nll_sum = loss_tokens = 0.0
+        names = self.val_dataset.names
+        nll_sums = torch.zeros(len(names), dtype=torch.float64)
+        loss_tokens = torch.zeros(len(names), dtype=torch.float64)
         for i in range(n_chunks):
             batch = collate_jagged([self.val_dataset[j] for j in chunks[i]]) if i < len(chunks) else empty_batch()
             out = self.worker.infer_batch(batch)
-            nll_sum += float(out["nll_sum"].sum())
-            loss_tokens += float(out["loss_tokens"].sum())
-        nll_sum, loss_tokens = distributed.all_reduce_sum([nll_sum, loss_tokens])
-        return nll_sum / max(loss_tokens, 1.0)
+            nll_sums.index_add_(0, batch["source"], out["nll_sum"].double())
+            loss_tokens.index_add_(0, batch["source"], out["loss_tokens"].double())
+        totals = distributed.all_reduce_sum(nll_sums.tolist() + loss_tokens.tolist())
+        nll_sums, loss_tokens = totals[:len(names)], totals[len(names):]
+        metrics = {"val/loss": sum(nll_sums) / max(sum(loss_tokens), 1.0)}
+        if len(names) > 1:
+            metrics.update({f"val/loss/{name}": nll / max(tokens, 1.0)
+                            for name, nll, tokens in zip(names, nll_sums, loss_tokens)})
+        return metrics
 
     def step_metrics(self, out: dict, step_time: float) -> dict:
         total = all_reduce_ranks(out)  # a no-op on the Ray driver, whose worker combined the ranks
@@ -280,6 +301,12 @@ class SFTTrainer:
             optional["train/objective"] = objective * per_token
         if self.config.loss.token_accuracy:
             optional["train/token_accuracy"] = correct * per_token
+        names = self.train_dataset.names
+        if len(names) > 1:  # a source without loss tokens in this step has no loss to report
+            for name, nll_sum, tokens in zip(names, total["source_nll_sums"], total["source_loss_tokens"]):
+                if tokens:
+                    optional[f"train/loss/{name}"] = nll_sum / tokens
+                    optional[f"train/loss_tokens/{name}"] = int(tokens)
         return {
             **optional,
             "train/loss": nll * per_token,
@@ -323,9 +350,9 @@ class SFTTrainer:
         )
         last_step = min(self.total_steps, trainer_cfg.stop_at_step or self.total_steps)
         if trainer_cfg.val_before_train and self.global_step == 0 and self.val_dataset is not None:
-            val_loss = self.validate()  # where the curve starts: the model before any update
+            val_metrics = self.validate()  # where the curve starts: the model before any update
             if self.tracker:
-                self.tracker.log({"val/loss": val_loss}, 0)
+                self.tracker.log(val_metrics, 0)
         batches = self.batches()
         preempted = False
         with PreemptionWatch() as preemption:
@@ -343,7 +370,7 @@ class SFTTrainer:
                 final = self.global_step == last_step
                 if self.val_dataset is not None and not preempted and (
                         trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final):
-                    metrics["val/loss"] = self.validate()
+                    metrics.update(self.validate())
                 if self.tracker and (self.global_step % trainer_cfg.log_every == 0 or "val/loss" in metrics
                                      or final or preempted):
                     self.tracker.log(metrics, self.global_step)

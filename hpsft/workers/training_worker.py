@@ -27,16 +27,29 @@ from hpsft.workers.fault_hook import maybe_fail
 # micro_batches) are the same on every rank and taken from one.
 SUMMED_OVER_RANKS = ("objective_sum", "nll_sum", "z_loss_sum", "router_aux_loss_sum", "correct_tokens",
                      "loss_tokens", "tokens", "computed_tokens", "flops", "peak_flops")
+# Lists with one number per training source (data.train_files entry), added up element-wise.
+SUMMED_PER_SOURCE = ("source_nll_sums", "source_loss_tokens")
 
 
 def combine_ranks(outs: list[dict]) -> dict:
     """The step's results from every rank's (the Ray driver holds them all)."""
-    return {key: sum(out[key] for out in outs) if key in SUMMED_OVER_RANKS else outs[0][key] for key in outs[0]}
+    def combined(key):
+        if key in SUMMED_OVER_RANKS:
+            return sum(out[key] for out in outs)
+        if key in SUMMED_PER_SOURCE:
+            return [sum(values) for values in zip(*(out[key] for out in outs))]
+        return outs[0][key]
+    return {key: combined(key) for key in outs[0]}
 
 
 def all_reduce_ranks(out: dict) -> dict:
-    """The step's results from this rank's, on every SPMD rank (a collective)."""
-    return {**out, **dict(zip(SUMMED_OVER_RANKS, distributed.all_reduce_sum([out[k] for k in SUMMED_OVER_RANKS])))}
+    """The step's results from this rank's, on every SPMD rank (one collective)."""
+    n_sources = len(out["source_nll_sums"])
+    values = [out[k] for k in SUMMED_OVER_RANKS] + [v for k in SUMMED_PER_SOURCE for v in out[k]]
+    totals = distributed.all_reduce_sum(values)
+    per_source = totals[len(SUMMED_OVER_RANKS):]
+    return {**out, **dict(zip(SUMMED_OVER_RANKS, totals)),
+            **{k: per_source[i * n_sources:(i + 1) * n_sources] for i, k in enumerate(SUMMED_PER_SOURCE)}}
 
 
 def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
@@ -55,6 +68,7 @@ class TrainingWorker:
         self.data_config = data_config
         self.peak_flops_per_device = peak_flops  # measured in init_model when None
         self.engine = DeepSpeedEngine(engine_config, optim_config, total_steps)
+        self.n_sources = len(data_config.train_files)  # per-source losses are summed when more than one
         self.loss_fn: Callable = token_mean_loss
 
     def init_model(self) -> None:
@@ -118,16 +132,23 @@ class TrainingWorker:
         local_loss_tokens = loss_token_count(batch)
         if global_loss_tokens is None:
             global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0])
-        rows, _ = self.micro_batches(batch)
+        rows, bins = self.micro_batches(batch)
+        if self.n_sources > 1:
+            rows = [{**row, "sequence_nll": True} for row in rows]
         start = time.perf_counter()  # after the collectives above: every rank starts together
         result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
         seconds = time.perf_counter() - start
         flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
                             local_loss_tokens)
         outputs = result["outputs"]
+        nll_sum = sum(float(o["nll"]) for o in outputs)
+        source_nll_sums, source_loss_tokens = (self.source_sums(batch, bins, outputs) if self.n_sources > 1
+                                               else ([nll_sum], [local_loss_tokens]))
         return {
             "objective_sum": sum(float(o["loss"]) for o in outputs),
-            "nll_sum": sum(float(o["nll"]) for o in outputs),
+            "nll_sum": nll_sum,
+            "source_nll_sums": source_nll_sums,
+            "source_loss_tokens": source_loss_tokens,
             "z_loss_sum": sum(float(o["z_loss"]) for o in outputs),
             # token-weighted over micro-batches, as the objective weighs it
             "router_aux_loss_sum": sum(float(o["router_aux_loss"]) * int(o["n_tokens"]) for o in outputs),
@@ -143,6 +164,17 @@ class TrainingWorker:
             "grad_norm": result["grad_norm"],
             "lr": result["lr"],
         }
+
+    def source_sums(self, batch, bins: list[list[int]], outputs: list[dict]) -> tuple[list[float], list[float]]:
+        """NLL sums and loss-token counts per training source of this rank's share."""
+        nll_sums = torch.zeros(self.n_sources, dtype=torch.float64)
+        loss_tokens = torch.zeros(self.n_sources, dtype=torch.float64)
+        for positions, out in zip(bins, outputs):
+            if positions:  # an empty bin ran a placeholder row only to keep step with other ranks
+                sources = batch["source"][torch.as_tensor(positions, dtype=torch.int64)]
+                nll_sums.index_add_(0, sources, out["sequence_nll"].cpu().double())
+                loss_tokens.index_add_(0, sources, out["sequence_tokens"].cpu().double())
+        return nll_sums.tolist(), loss_tokens.tolist()
 
     def infer_batch(self, batch) -> dict:
         """Per-sequence NLL sums and loss-token counts (no gradients), in the batch's order."""

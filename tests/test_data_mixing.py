@@ -1,0 +1,147 @@
+"""Weighted multi-dataset mixing and custom dataset classes (docs/data.md): the sampled
+ratio, the resumable position, per-dataset losses, and a user's class trained on."""
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_jsonl
+from tests.test_spmd_training import assert_ok
+
+EXAMPLE = REPO / "examples" / "custom_dataset.py"
+BROKEN = REPO / "tests" / "data" / "malformed" / "broken_dataset.py"
+
+
+def sizes_dataset(sizes):
+    from hpsft.data.sources import SourcedDataset
+
+    return SourcedDataset([list(range(n)) for n in sizes], [f"s{i}" for i in range(len(sizes))], 8, "lists")
+
+
+def test_weights_3_to_1_give_a_binomial_ratio_and_each_source_is_drawn_without_replacement():
+    """400 draws from two sources of 200 weighted 3:1: the first source's count is
+    Binomial(400, 3/4) (mean 300, sigma sqrt(400 * 3/4 * 1/4) = 8.66), within 4 sigma; each
+    source goes through its samples before repeating one."""
+    from hpsft.data.sampler import mixture_order
+
+    order = mixture_order([200, 200], [3.0, 1.0], seed=42, epoch=0, shuffle=True)
+    assert order.numel() == 400
+    first = order[order < 200]
+    sigma = math.sqrt(400 * 0.75 * 0.25)
+    assert abs(first.numel() - 300) <= 4 * sigma, first.numel()
+    assert first[:200].unique().numel() == 200  # a whole pass over source 0 before any repeat
+    second = order[order >= 200]
+    assert second.unique().numel() == second.numel()  # fewer than 200 draws: none repeated
+    # Fixed by (seed, epoch): the same again, another epoch another order.
+    assert torch.equal(order, mixture_order([200, 200], [3.0, 1.0], seed=42, epoch=0, shuffle=True))
+    assert not torch.equal(order, mixture_order([200, 200], [3.0, 1.0], seed=42, epoch=1, shuffle=True))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_a_resumed_mixture_continues_the_same_sample_sequence(dp):
+    """Stopped after any whole number of steps and resumed with `dp` ranks, the steps that
+    follow hold exactly the samples, in the same order, that the straight 1-rank run trains on."""
+    from torch.utils.data import BatchSampler
+
+    from hpsft.data.sampler import training_sampler
+
+    dataset, batch, weights = sizes_dataset([30, 11]), 4, [3.0, 1.0]
+
+    def steps_from(ranks: int, epoch: int, position: int) -> list[list[int]]:
+        per_rank = []
+        for rank in range(ranks):
+            sampler = training_sampler(dataset, weights, ranks, rank, shuffle=True, seed=9)
+            sampler.set_position(epoch, position)
+            per_rank.append(list(BatchSampler(sampler, batch // ranks, drop_last=True)))
+        # A step's global batch: rank r holds its r-th, (r+n)-th, ... samples.
+        return [[step[j % ranks][j // ranks] for j in range(batch)] for step in zip(*per_rank)]
+
+    for epoch in (0, 1):
+        straight = steps_from(1, epoch, 0)
+        assert len(straight) == 41 // batch
+        for done in (0, 3, 7, 10):
+            assert steps_from(dp, epoch, done * batch) == straight[done:], (epoch, done)
+
+
+def test_the_example_class_passes_the_check_and_a_broken_one_is_refused_by_name():
+    from hpsft.data.custom_dataset import load_custom_class
+    from hpsft.errors import UserInputError
+
+    assert load_custom_class(str(EXAMPLE), "TextDataset").__name__ == "TextDataset"
+    with pytest.raises(UserInputError, match=f"class NoGetItem in {BROKEN} has no __getitem__ method"):
+        load_custom_class(str(BROKEN), "NoGetItem")
+    with pytest.raises(UserInputError, match="defines no class 'Missing'"):
+        load_custom_class(str(EXAMPLE), "Missing")
+
+
+LOSS_RTOL = 1e-5  # per-source sums in fp64 vs the fp32 sum of the same per-token losses
+
+
+def test_a_custom_class_mixture_trains_its_rows_and_logs_per_dataset_losses(tmp_path, model_path, tokenizer):
+    """A 3:1 mixture of two text files read by the example class (every token supervised, a
+    fixed length per file): each step's loss tokens per dataset are exactly what the sampler's
+    picks of that class's rows hold, train/loss is their token-weighted combination, and so
+    is val/loss of the two validation files."""
+    from hpsft.config.schema import DataConfig
+    from hpsft.data.custom_dataset import load_custom_class
+    from hpsft.data.sampler import mixture_order
+
+    write = write_jsonl
+    text_dataset = load_custom_class(str(EXAMPLE), "TextDataset")
+    short = write([{"text": " ".join(["hello"] * 6)}] * 12, tmp_path / "short.jsonl")
+    long = write([{"text": " ".join(["world"] * 20)}] * 12, tmp_path / "long.jsonl")
+    val_a = write([{"text": "a b c"}] * 3, tmp_path / "val_a.jsonl")
+    val_b = write([{"text": "one two three four five six"}] * 2, tmp_path / "val_b.jsonl")
+    data_config = DataConfig(max_length=256)
+
+    def supervised_tokens(path):  # targets: every token but each sequence's first
+        dataset = text_dataset([path], tokenizer, data_config)
+        return [len(dataset[i]["input_ids"]) - 1 for i in range(len(dataset))]
+
+    short_len, long_len = supervised_tokens(short)[0], supervised_tokens(long)[0]
+    assert short_len != long_len
+    out = tmp_path / "run"
+    steps, batch = 3, 8
+    proc = run_cli("hpsft.train", base_overrides(
+        model_path, None, None, out, **{
+            "data.train_files": f"[{{path: {short}, weight: 3, name: short}}, {{path: {long}, weight: 1}}]",
+            "data.val_files": f"[{val_a}, {val_b}]",
+            "data.custom_cls.path": str(EXAMPLE), "data.custom_cls.name": "TextDataset",
+            "trainer.total_steps": steps, "trainer.export_hf": "false", "trainer.peak_flops_per_device": "1e12",
+        }))
+    assert_ok(proc)
+    metrics = read_metrics(out)
+    train = [m for m in metrics if "train/loss" in m]
+    assert len(train) == steps
+    order = mixture_order([12, 12], [3.0, 1.0], seed=42, epoch=0, shuffle=True)
+    for step, m in enumerate(train):
+        picks = order[step * batch:(step + 1) * batch]
+        n_short = int((picks < 12).sum())
+        expected = {"short": n_short * short_len, "long": (batch - n_short) * long_len}
+        assert m["train/loss_tokens"] == sum(expected.values())
+        for name, tokens in expected.items():
+            assert m.get(f"train/loss_tokens/{name}", 0) == tokens, (step, name, m)
+        combined = sum(m[f"train/loss/{n}"] * t for n, t in expected.items() if t) / m["train/loss_tokens"]
+        assert abs(combined - m["train/loss"]) <= LOSS_RTOL * m["train/loss"], (combined, m["train/loss"])
+    val = [m for m in metrics if "val/loss" in m][-1]
+    val_tokens = {"val_a": sum(supervised_tokens(val_a)), "val_b": sum(supervised_tokens(val_b))}
+    combined = sum(val[f"val/loss/{n}"] * t for n, t in val_tokens.items()) / sum(val_tokens.values())
+    assert abs(combined - val["val/loss"]) <= LOSS_RTOL * val["val/loss"], (combined, val)
+
+
+def test_per_dataset_sums_add_up_element_wise_over_ranks():
+    """The Ray driver's reduction, and SPMD's one all-reduce of the flattened values split
+    back into the same keys (here in one process: the sum over one rank)."""
+    from hpsft.workers.training_worker import SUMMED_OVER_RANKS, all_reduce_ranks, combine_ranks
+
+    def rank_out(nll, tokens):
+        return {**{key: 1.0 for key in SUMMED_OVER_RANKS}, "source_nll_sums": nll, "source_loss_tokens": tokens,
+                "grad_norm": 0.5, "lr": 1e-3, "micro_batches": 2}
+
+    total = combine_ranks([rank_out([1.5, 0.0], [3, 0]), rank_out([2.0, 4.0], [1, 2])])
+    assert total["source_nll_sums"] == [3.5, 4.0] and total["source_loss_tokens"] == [4, 2]
+    assert total["nll_sum"] == 2.0 and total["grad_norm"] == 0.5
+    reduced = all_reduce_ranks({**rank_out([1.5, 0.0, 2.5], [3, 0, 5]), "nll_sum": 4.0})
+    assert reduced["source_nll_sums"] == [1.5, 0.0, 2.5] and reduced["source_loss_tokens"] == [3, 0, 5]
+    assert reduced["nll_sum"] == 4.0 and reduced["loss_tokens"] == 1.0
