@@ -53,7 +53,7 @@ demo: model data
 
 # The whole suite (CPU, gloo, real model and data).
 test: model data
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=30 $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

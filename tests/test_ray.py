@@ -253,23 +253,6 @@ def test_killed_worker_stops_the_driver_naming_the_rank(tmp_path, model_path, da
     assert ray.available_resources().get("CPU", 0) == 2
 
 
-@pytest.mark.slow
-def test_killed_worker_restarts_from_the_last_checkpoint(tmp_path, model_path, data, zero3_run, capsys):
-    """With a restart allowed, the run goes back to step 2's checkpoint and finishes with the
-    weights of the uninterrupted run (which a new driver resumed from step 2 reproduces)."""
-    out = tmp_path / "run"
-    record = {}
-    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 1}),
-               during_fit=kill_a_worker_after_step(3, record))
-    assert "restart 1/1" in capsys.readouterr().out
-    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_4"
-    straight, restarted = last_per_step(zero3_run), last_per_step(out)
-    assert sorted(restarted) == [1, 2, 3, 4]
-    for step in range(1, 5):
-        assert rel_diff(straight[step]["train/loss"], restarted[step]["train/loss"]) <= 1e-6, step
-    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
-
-
 def signal_the_driver_after_step(step: int):
     """A during_fit action: SIGTERM to this (the driver's) process once `step` has been logged."""
 
