@@ -19,11 +19,9 @@ FULL_MODEL = REPO / ".cache" / "models" / "smollm2-135m"
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """SmolLM2-135M-Instruct cut to 2 layers (built from the packaged GGUF if missing)."""
-    from hpsft.assets.smollm2 import convert, cut_layers
+    from hpsft.prepare_model import packaged
 
-    if not (TEST_MODEL / "config.json").is_file():
-        cut_layers(convert(FULL_MODEL), TEST_MODEL, 2)
-    return str(TEST_MODEL)
+    return str(packaged(TEST_MODEL, num_layers=2, full_dir=FULL_MODEL))
 
 
 @pytest.fixture(scope="session")
