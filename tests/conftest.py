@@ -39,8 +39,15 @@ def chat_rows() -> list:
     return deduplicate(chatterbot_conversations())
 
 
+def columns(rows: list[dict]) -> dict[str, list]:
+    """Rows as columns, every key of any row one (missing: None). pa.Table.from_pylist and
+    datasets.Dataset.from_list would keep only the first row's keys."""
+    keys = dict.fromkeys(key for row in rows for key in row)
+    return {key: [row.get(key) for row in rows] for key in keys}
+
+
 def write_parquet(rows: list[dict], path: Path) -> str:
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    pq.write_table(pa.table(columns(rows)), path)
     return str(path)
 
 

@@ -91,8 +91,10 @@ def deduplicate(conversations: list[list[dict]]) -> list[list[dict]]:
 
 
 def write_parquet(records: list[dict], path: Path) -> None:
-    """Write atomically: an interrupted write never leaves a truncated file behind."""
-    table = pa.Table.from_pylist(records)
+    """Write atomically: an interrupted write never leaves a truncated file behind. Every key
+    of any record is a column (pa.Table.from_pylist would keep only the first record's)."""
+    keys = dict.fromkeys(key for record in records for key in record)
+    table = pa.table({key: [record.get(key) for record in records] for key in keys})
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
     os.close(fd)
