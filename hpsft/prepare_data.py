@@ -115,14 +115,20 @@ def conversation(row, opts: TokenizeOptions) -> tuple[list[dict], list[dict] | N
 def parquet_record(messages: list[dict], tools: list[dict] | None) -> dict:
     """A row as written: tool-call arguments and tool schemas as JSON strings (the loader takes
     both), since parquet gives one type per column and they differ from row to row."""
-    stored = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-                                   for c in m["tool_calls"]]} if "tool_calls" in m else m for m in messages]
-    return {"messages": stored, **({"tools": json.dumps(tools)} if tools else {})}
+    def stored(message: dict) -> dict:
+        if "tool_calls" not in message:
+            return message
+        calls = [{**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+                 for call in message["tool_calls"]]
+        return {**message, "tool_calls": calls}
+
+    return {"messages": [stored(m) for m in messages], **({"tools": json.dumps(tools)} if tools else {})}
 
 
-def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: str | None = None, dedupe: bool = False,
-            progress: bool = False) -> tuple[list[dict], dict]:
-    """The kept rows as written, and the report of what was read, dropped and kept."""
+def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, max_length: int | None = None,
+            split: str | None = None, dedupe: bool = False, progress: bool = False) -> tuple[list[dict], dict]:
+    """The kept rows as written, and the report of what was read, dropped and kept. With a
+    tokenizer, rows over `max_length` tokens (when given) are dropped."""
     from tqdm import tqdm
 
     sources = [input_rows(path, split) for path in inputs]
@@ -148,8 +154,8 @@ def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: st
                         ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
                     except BadRow as err:
                         raise Dropped("malformed", str(err)) from None
-                    if len(ids) > opts.max_length:
-                        raise Dropped("over_max_length", f"{len(ids)} tokens > --max-length {opts.max_length}")
+                    if max_length is not None and len(ids) > max_length:
+                        raise Dropped("over_max_length", f"{len(ids)} tokens > --max-length {max_length}")
                     lengths.append(len(ids))
                     supervised.append(sum(mask))
             except Dropped as drop:
@@ -171,7 +177,7 @@ def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: st
 
         ordered = sorted(lengths)
         report["tokenizer"] = str(tokenizer.name_or_path)
-        report["max_length"] = opts.max_length
+        report["max_length"] = max_length
         report["token_lengths"] = {f"p{q}": percentile(ordered, q) for q in (50, 90, 99)} if ordered else {}
         report["token_lengths"].update(max=ordered[-1] if ordered else 0, total=sum(ordered),
                                        supervised=sum(supervised))
@@ -222,7 +228,8 @@ def prepare_files(args) -> dict:
     opts = TokenizeOptions(messages_key=args.messages_key, prompt_key=args.prompt_key,
                            response_key=args.response_key, tools_key=args.tools_key,
                            chat_template=chat_template_text(args.chat_template),
-                           max_length=args.max_length or sys.maxsize, truncation="error", bad_rows="skip")
+                           # Unused: prepare() drops over-long rows itself, it never truncates.
+                           max_length=sys.maxsize, truncation="error", bad_rows="skip")
     tokenizer = None
     if args.tokenizer is not None:
         from hpsft.models.loading import load_tokenizer
@@ -231,8 +238,8 @@ def prepare_files(args) -> dict:
         if opts.chat_template is None and tokenizer.chat_template is None:
             raise UserInputError(f"the tokenizer of {args.tokenizer} has no chat template: give one with "
                                  "--chat-template <Jinja text or .jinja file>")
-    kept, report = prepare(args.inputs, opts, tokenizer, args.split, args.dedupe,
-                                 progress=sys.stderr.isatty())
+    kept, report = prepare(args.inputs, opts, tokenizer, args.max_length, args.split, args.dedupe,
+                           progress=sys.stderr.isatty())
     if not kept:
         raise UserInputError(f"no row of {[str(p) for p in args.inputs]} was kept: {report['dropped']}, e.g. "
                              f"{next(iter(report['dropped_examples'].values()), [''])[0]}")

@@ -125,6 +125,82 @@ def test_prepare_model_copies_and_cuts_a_hugging_face_folder(tmp_path, capsys, m
     assert "exists and is not empty" in capsys.readouterr().err
 
 
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level BPE spelling of the 256 bytes, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    spelling = dict(zip(printable, printable)) | {b: 256 + i for i, b in enumerate(others)}
+    return [chr(spelling[b]) for b in range(256)]
+
+
+def write_tiny_gguf(path, hidden: int = 16, layers: int = 2) -> dict:
+    """A Llama GGUF (fp32, random weights, a byte-level BPE tokenizer with a ChatML template) small
+    enough to load in a second; returns its tensors by GGUF name."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = special + byte_level_alphabet() + ["hi", "Ġt", "Ġth"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(hidden // 2)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(special) + [1] * (len(tokens) - len(special)))  # 3: control
+    writer.add_token_merges(["h i", "Ġ t", "Ġt h"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                   f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (hidden // 2, hidden),
+                   f"blk.{i}.attn_v.weight": (hidden // 2, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (2 * hidden, hidden), f"blk.{i}.ffn_up.weight": (2 * hidden, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, 2 * hidden)}
+    tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def test_prepare_model_converts_a_gguf_file(tmp_path, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    tensors = write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "from_gguf"
+    assert prepare_model([str(tmp_path / "tiny.gguf"), "--out", str(out), "--num-layers", "1"]) == 0
+    written = load_file(out / "model.safetensors")
+    assert not any(".layers.1." in k for k in written)
+    # Tensors the loader takes as they are (q and k it permutes back to Hugging Face's rotary layout).
+    for gguf_name, hf_name in [("token_embd", "embed_tokens"), ("output_norm", "norm"),
+                               ("blk.0.attn_v", "layers.0.self_attn.v_proj"),
+                               ("blk.0.ffn_down", "layers.0.mlp.down_proj"),
+                               ("blk.0.ffn_norm", "layers.0.post_attention_layernorm")]:
+        assert torch.equal(written[f"model.{hf_name}.weight"], torch.from_numpy(tensors[f"{gguf_name}.weight"]))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False) == \
+        "<|im_start|>user\nhi there<|im_end|>\n"
+    assert tokenizer.decode(tokenizer("hi there")["input_ids"]) == "hi there"
+
+
 def test_prepare_model_warns_of_a_missing_chat_template_and_refuses_a_missing_tokenizer(tmp_path, capsys, tokenizer):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
