@@ -285,6 +285,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if not args.inputs:
+            given = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "max_length", "chat_template", "split",
+                                                                 "dedupe") if getattr(args, name)]
+            if given:
+                raise UserInputError(f"{', '.join(given)} go with input files; the packaged corpora take --out, "
+                                     "--val-fraction, --seed and --sharegpt")
             val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
             for path in chat_corpora.build(args.out, val_fraction, args.sharegpt, args.seed):
                 print(f"{path} ({pq.read_metadata(path).num_rows} rows)")

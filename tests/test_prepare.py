@@ -104,6 +104,8 @@ def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):
     rows = write_jsonl([{"messages": []}, {"text": "x"}], tmp_path / "bad.jsonl")
     assert prepare_data([rows, "--out", str(tmp_path / "out")]) == 2
     assert "no row of" in capsys.readouterr().err and not (tmp_path / "out" / "train.parquet").exists()
+    assert prepare_data(["--out", str(tmp_path / "out"), "--dedupe"]) == 2  # the packaged corpora
+    assert "--dedupe go with input files" in capsys.readouterr().err
 
 
 def test_prepare_model_copies_and_cuts_a_hugging_face_folder(tmp_path, capsys, model_path):
