@@ -29,8 +29,6 @@ import tempfile
 from pathlib import Path
 
 from hpsft.errors import UserInputError
-from hpsft.files import umask_mode
-from hpsft.models.loading import check_model_path
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Fine-tuning checks: 1, 2, 3."
 
@@ -59,6 +57,8 @@ def load_gguf(path: Path):
 def load_folder(path: Path):
     """(model in its stored dtype, tokenizer) of a Hugging Face folder, checked."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpsft.models.loading import check_model_path
 
     check_model_path(str(path), trust_remote_code=False)
     try:
@@ -122,6 +122,8 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
 
 def convert(source: Path, out_dir: Path, num_layers: int | None = None, overwrite: bool = False) -> Path:
     """Write `source` (a .gguf file or a Hugging Face folder) to `out_dir`, checked."""
+    from hpsft.files import umask_mode  # imports torch: not at module level, so --help stays quick
+
     source, out_dir = Path(source), Path(out_dir)
     if not source.exists():
         raise UserInputError(f"{source} does not exist: give a .gguf file or a Hugging Face model folder")
