@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
@@ -21,7 +20,8 @@ from hpsft.data.dataset import SFTDataset, TokenizeOptions, chat_template_text, 
 from hpsft.data.sampler import PositionedDistributedSampler
 from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
-from hpsft.tracking import Tracker
+from hpsft.progress import progress_bar, step_postfix
+from hpsft.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
 from hpsft.trainer.failure_hook import fail, failing_step
 from hpsft.trainer.fingerprint import differences, run_fingerprint
@@ -51,10 +51,11 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def build_dataset(files, tokenizer, data_config) -> SFTDataset:
-    """Rank 0 tokenizes (or reads the cache); the others then read the cache."""
+def build_dataset(files, tokenizer, data_config, progress: bool) -> SFTDataset:
+    """Rank 0 tokenizes (or reads the cache), with a progress bar if `progress`; the others then read the cache."""
     opts = TokenizeOptions.from_data_config(data_config)
-    distributed.on_rank0_then_share(lambda: load_or_tokenize(files, tokenizer, opts, data_config.cache_dir) and None)
+    distributed.on_rank0_then_share(
+        lambda: load_or_tokenize(files, tokenizer, opts, data_config.cache_dir, progress) and None)
     return SFTDataset(load_or_tokenize(files, tokenizer, opts, data_config.cache_dir))
 
 
@@ -69,6 +70,11 @@ class SFTTrainer:
             print(f"hpsft: {self.launch_description()}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
+        if self.rank == 0:
+            check_trackers_available(config)
+        if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= self.dp_size:
+            raise UserInputError(f"trainer.profile_ranks={list(config.trainer.profile_ranks)} names a rank the run "
+                                 f"does not have: its data-parallel ranks are 0..{self.dp_size - 1}")
         seed_everything(config.trainer.seed)
         data = config.data
         if data.train_batch_size % self.dp_size:
@@ -82,8 +88,9 @@ class SFTTrainer:
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         if data.chat_template is not None:  # also what the exported tokenizer carries
             self.tokenizer.chat_template = chat_template_text(data.chat_template)
-        self.train_dataset = build_dataset(data.train_files, self.tokenizer, data)
-        self.val_dataset = build_dataset(data.val_files, self.tokenizer, data) if data.val_files else None
+        progress = config.trainer.progress_bar
+        self.train_dataset = build_dataset(data.train_files, self.tokenizer, data, progress)
+        self.val_dataset = build_dataset(data.val_files, self.tokenizer, data, progress) if data.val_files else None
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()
         # Rank 0 records it in every checkpoint and checks a resumed one against it.
@@ -107,9 +114,10 @@ class SFTTrainer:
         self.global_step, self.epoch = 0, 0
         self.samples_in_epoch = 0  # of the epoch's global sample order, consumed by finished steps
         self.last_checkpoint: Path | None = None  # the newest this run saved or resumed from
+        self.profiling = False  # inside trainer.profile_steps, the worker's profiler running
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-        self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
+        self.tracker = Tracker(config, self.run_dir, self.global_step) if self.rank == 0 else None
 
     def place_process(self) -> tuple[int, int, int]:
         """This process's rank and world size in torch.distributed, and the data-parallel size."""
@@ -315,12 +323,30 @@ class SFTTrainer:
         finally:
             self.worker.reset()
 
+    def profile_before_step(self) -> None:
+        """Start the profiler at the first step of trainer.profile_steps this run makes (a run
+        resumed inside the range profiles the rest of it)."""
+        steps = self.config.trainer.profile_steps
+        if steps and not self.profiling and steps[0] <= self.global_step + 1 <= steps[1]:
+            self.worker.start_profiler(str(self.run_dir / "profile"), list(self.config.trainer.profile_ranks),
+                                       self.global_step + 1)
+            self.profiling = True
+
+    def profile_after_step(self) -> None:
+        if self.profiling and self.global_step == self.config.trainer.profile_steps[1]:
+            self.stop_profiler()
+
+    def stop_profiler(self) -> None:
+        self.worker.stop_profiler()
+        self.profiling = False
+        if self.rank == 0:
+            print(f"hpsft: profile of steps {list(self.config.trainer.profile_steps)} written to "
+                  f"{self.run_dir / 'profile'}", flush=True)
+
     def fit(self) -> None:
         trainer_cfg = self.config.trainer
-        progress = tqdm(
-            total=self.total_steps, initial=self.global_step, desc="train",
-            disable=self.rank != 0 or not trainer_cfg.progress_bar, dynamic_ncols=True,
-        )
+        progress = progress_bar(self.rank == 0 and trainer_cfg.progress_bar, total=self.total_steps,
+                                initial=self.global_step, desc="train", unit="step")
         last_step = min(self.total_steps, trainer_cfg.stop_at_step or self.total_steps)
         if trainer_cfg.val_before_train and self.global_step == 0 and self.val_dataset is not None:
             val_loss = self.validate()  # where the curve starts: the model before any update
@@ -331,14 +357,16 @@ class SFTTrainer:
         with PreemptionWatch() as preemption:
             while self.global_step < last_step and not preempted:
                 batch = next(batches)
+                self.profile_before_step()
                 start = time.perf_counter()
                 out = self.train_step(batch)
                 self.global_step += 1
                 metrics = self.step_metrics(out, time.perf_counter() - start)
+                self.profile_after_step()  # after the step's time is taken: writing the trace is slow
                 self.skipped_steps.record(out["grad_norm"])  # the same global norm on every rank
                 metrics["train/skipped_steps"] = self.skipped_steps.total
                 progress.update(1)
-                progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                progress.set_postfix(step_postfix(metrics))
                 preempted = preemption.stop_agreed()
                 final = self.global_step == last_step
                 if self.val_dataset is not None and not preempted and (
@@ -351,10 +379,12 @@ class SFTTrainer:
                 if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final or preempted:
                     self.save_checkpoint()
             progress.close()
+            if self.profiling:  # the run stopped inside trainer.profile_steps (stop_at_step, a signal)
+                self.stop_profiler()
             if self.tracker:
                 self.tracker.close()
             if preempted:  # still watching: the entry point ignores further signals from here on
                 raise Preempted(self.global_step, self.last_checkpoint)
         if trainer_cfg.export_hf and self.global_step == self.total_steps:
-            self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer)
+            self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer, progress=trainer_cfg.progress_bar)
             distributed.barrier()
