@@ -22,6 +22,7 @@ import pytest
 from hpsft.config import load_config
 from hpsft.distributed import free_port
 from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env, write_parquet
+from tests.tracking_files import assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_records
 from tests.test_spmd_training import assert_ok, max_rel_weight_diff, rel_diff, weights
 
 ray = pytest.importorskip("ray")
@@ -139,17 +140,23 @@ def test_worker_group_scatters_per_rank_arguments_and_names_a_failing_rank(ray_a
 
 @pytest.mark.slow
 def test_ray_matches_spmd(tmp_path, model_path, data, ray_address):
-    """2 Ray workers == 2 torchrun ranks: every step's loss and the final weights (fp32)."""
+    """2 Ray workers == 2 torchrun ranks: every step's loss and the final weights (fp32).
+    The Ray run also logs to W&B (offline) from the driver and profiles step 2 on both workers."""
     train, val = data
     common = {"trainer.total_steps": 3, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 2}
     spmd, on_ray = tmp_path / "spmd", tmp_path / "ray"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, spmd, **common), nproc=2))
+    tracking = {"trainer.loggers": "[jsonl,wandb]", "trainer.profile_steps": "[2,2]", "trainer.profile_ranks": "[0,1]"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hpsft.train_ray",
-         *base_overrides(model_path, train, val, on_ray, **common, **RAY_WORKERS, **{"ray.address": ray_address})],
-        cwd=REPO, env={**train_env(), **RAY_ENV}, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "hpsft.train_ray", *base_overrides(
+            model_path, train, val, on_ray, **common, **RAY_WORKERS, **tracking, **{"ray.address": ray_address})],
+        cwd=REPO, env={**train_env(), **RAY_ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"),
+                       "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")},
+        capture_output=True, text=True, timeout=600,
     )
     assert_ok(proc)
+    assert_holds_the_jsonl_scalars(wandb_records(only_run_log(on_ray)), on_ray, [1, 2, 3])
+    assert profiled_steps(on_ray, 0) == profiled_steps(on_ray, 1) == ["step 2"]
     a, b = read_metrics(spmd), read_metrics(on_ray)
     assert [m["step"] for m in b] == [1, 2, 3]
     for x, y in zip(a, b):

@@ -3,11 +3,7 @@ transaction log), TensorBoard's config text, a torch.profiler trace of chosen st
 the start-up checks and the progress bar's fields."""
 
 import json
-import math
-import struct
 import sys
-import zlib
-from pathlib import Path
 
 import pytest
 from tqdm import tqdm
@@ -16,46 +12,11 @@ from hpsft.config import ConfigError, load_config
 from hpsft.errors import UserInputError
 from hpsft.progress import step_postfix
 from hpsft.tracking import check_trackers_available
-from tests.conftest import base_overrides, read_metrics, run_cli, write_parquet
+from tests.conftest import base_overrides, run_cli, write_parquet
+from tests.tracking_files import assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_records
 
 FAKE_API_KEY = "fake-wandb-key-7d1e0c5b9a3f4e2d8c6b"
 URL_PASSWORD = "hunter2-url-password"
-
-
-def wandb_records(path: Path) -> list:
-    """The records of a W&B transaction log (run-<id>.wandb): a header (':W&B', magic 0xBEE1,
-    version 0), then LevelDB-style log blocks of 32 KiB whose chunks (CRC-32 seeded with the
-    chunk type, length, type: full/first/middle/last) carry serialized `Record` protobufs."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
-    records, pending, pos, block = [], b"", 7, 32768
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
-            pos += block - pos % block
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"bad checksum at byte {pos}"
-        pending += chunk
-        pos += 7 + length
-        if kind in (1, 4):  # full, last
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
-def wandb_history(records: list) -> dict[int, dict]:
-    """step -> {metric: value} of the logged history (W&B's own _step/_runtime/_timestamp left out)."""
-    history = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "history":
-            items = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
-            history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
-    return history
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +41,8 @@ def tracked_run(tmp_path_factory, model_path, chat_rows):
 
 def test_wandb_offline_run_holds_the_jsonl_scalars_and_no_secret(tracked_run):
     root, run_dir = tracked_run
-    [log] = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    records = wandb_records(log)
-    history = wandb_history(records)
-    logged = {row.pop("step"): row for row in read_metrics(run_dir)}
-    assert sorted(history) == sorted(logged) == [1, 2, 3, 4]
-    for step, row in logged.items():
-        assert set(history[step]) == set(row), step
-        for key, value in row.items():
-            assert math.isclose(history[step][key], value, rel_tol=1e-12), (step, key, history[step][key], value)
+    records = wandb_records(only_run_log(run_dir))
+    assert_holds_the_jsonl_scalars(records, run_dir, [1, 2, 3, 4])
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["trainer"]["loggers"] == ["jsonl", "tensorboard", "wandb"]
@@ -115,11 +69,7 @@ def test_tensorboard_holds_the_resolved_config_as_text(tracked_run):
 
 def test_profile_covers_the_requested_steps_only(tracked_run):
     _, run_dir = tracked_run
-    trace = json.loads((run_dir / "profile" / "rank0_trace.json").read_text())
-    steps = [event for event in trace["traceEvents"] if event.get("name", "").startswith("step ")]
-    assert sorted(event["name"] for event in steps) == ["step 2", "step 3"]
-    # The steps' work is inside them: the optimizer ran under each annotation.
-    assert all(event["dur"] > 0 for event in steps)
+    assert profiled_steps(run_dir, 0) == ["step 2", "step 3"]
     table = (run_dir / "profile" / "rank0_key_averages.txt").read_text()
     assert "Self CPU" in table and "aten::mm" in table
 
