@@ -51,7 +51,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def build_dataset(files, tokenizer, data_config, progress: bool) -> SFTDataset:
+def build_dataset(files, tokenizer, data_config, progress: bool = False) -> SFTDataset:
     """Rank 0 tokenizes (or reads the cache), with a progress bar if `progress`; the others then read the cache."""
     opts = TokenizeOptions.from_data_config(data_config)
     distributed.on_rank0_then_share(
