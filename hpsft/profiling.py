@@ -36,6 +36,6 @@ class StepProfiler:
         self.profiler.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(trace_path(self.folder, self.rank)))
-        sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        sort_by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = self.profiler.key_averages().table(sort_by=sort_by, row_limit=50)
         (self.folder / f"rank{self.rank}_key_averages.txt").write_text(table + "\n")
