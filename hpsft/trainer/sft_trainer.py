@@ -70,8 +70,7 @@ class SFTTrainer:
             print(f"hpsft: {self.launch_description()}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
-        if self.rank == 0:
-            check_trackers_available(config)
+        distributed.on_rank0_then_share(lambda: check_trackers_available(config))  # rank 0 logs
         if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= self.dp_size:
             raise UserInputError(f"trainer.profile_ranks={list(config.trainer.profile_ranks)} names a rank the run "
                                  f"does not have: its data-parallel ranks are 0..{self.dp_size - 1}")
