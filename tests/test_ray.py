@@ -22,7 +22,8 @@ import pytest
 from hpsft.config import load_config
 from hpsft.distributed import free_port
 from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env, write_parquet
-from tests.tracking_files import assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_records
+from tests.tracking_files import (assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_offline_env,
+                                  wandb_records)
 from tests.test_spmd_training import assert_ok, max_rel_weight_diff, rel_diff, weights
 
 ray = pytest.importorskip("ray")
@@ -150,8 +151,7 @@ def test_ray_matches_spmd(tmp_path, model_path, data, ray_address):
     proc = subprocess.run(
         [sys.executable, "-m", "hpsft.train_ray", *base_overrides(
             model_path, train, val, on_ray, **common, **RAY_WORKERS, **tracking, **{"ray.address": ray_address})],
-        cwd=REPO, env={**train_env(), **RAY_ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"),
-                       "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")},
+        cwd=REPO, env={**train_env(), **RAY_ENV, **wandb_offline_env(tmp_path)},
         capture_output=True, text=True, timeout=600,
     )
     assert_ok(proc)

@@ -13,7 +13,8 @@ from hpsft.errors import UserInputError
 from hpsft.progress import step_postfix
 from hpsft.tracking import check_trackers_available
 from tests.conftest import base_overrides, run_cli, write_parquet
-from tests.tracking_files import assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_records
+from tests.tracking_files import (assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_offline_env,
+                                  wandb_records)
 
 FAKE_API_KEY = "fake-wandb-key-7d1e0c5b9a3f4e2d8c6b"
 URL_PASSWORD = "hunter2-url-password"
@@ -32,9 +33,7 @@ def tracked_run(tmp_path_factory, model_path, chat_rows):
         "trainer.wandb.project": "hpsft-test", "trainer.profile_steps": "[2,3]", "trainer.export_hf": "false",
         # Ignored by an SPMD run, but on its command line, which W&B would record.
         "ray.address": f"ray://user:{URL_PASSWORD}@127.0.0.1:10001"})
-    wandb_dirs = {f"WANDB_{name}_DIR": str(root / f"wandb-{name.lower()}") for name in ("CONFIG", "CACHE", "DATA")}
-    result = run_cli("hpsft.train", overrides, env={"WANDB_MODE": "offline", "WANDB_API_KEY": FAKE_API_KEY,
-                                                    **wandb_dirs})
+    result = run_cli("hpsft.train", overrides, env={**wandb_offline_env(root), "WANDB_API_KEY": FAKE_API_KEY})
     assert result.returncode == 0, result.stderr[-3000:]
     return root, run_dir
 

@@ -14,6 +14,13 @@ from pathlib import Path
 from tests.conftest import read_metrics
 
 
+def wandb_offline_env(root: Path) -> dict:
+    """The environment of an offline W&B run whose every file (wandb-core's debug logs in its
+    cache folder included) lands under `root`."""
+    return {"WANDB_MODE": "offline",
+            **{f"WANDB_{name}_DIR": str(root / f"wandb-{name.lower()}") for name in ("CONFIG", "CACHE", "DATA")}}
+
+
 def only_run_log(run_dir: Path) -> Path:
     """The transaction log of the one offline W&B run in `run_dir`."""
     [log] = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
