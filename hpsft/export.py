@@ -80,6 +80,7 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     from hpsft.data.dataset import chat_template_text
     from hpsft.models import load_tokenizer, write_hf_folder
     from hpsft.models.loading import check_model_path
+    from hpsft.progress import progress_bar
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -101,7 +102,9 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     generation_config = None
     if (folder / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(folder)
-    weights = checkpoint_weights(checkpoint, lm)
+    # A bar on a terminal: reassembling a large model from its shards takes minutes.
+    weights = progress_bar(True, iterable=checkpoint_weights(checkpoint, lm), total=len(weight_names(lm)),
+                           desc="export", unit="tensor")
     write_hf_folder(model_config, generation_config, weights, tokenizer, out, max_shard_mb)
     return checkpoint
 

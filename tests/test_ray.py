@@ -22,6 +22,8 @@ import pytest
 from hpsft.config import load_config
 from hpsft.distributed import free_port
 from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env, write_parquet
+from tests.tracking_files import (assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_offline_env,
+                                  wandb_records)
 from tests.test_spmd_training import assert_ok, max_rel_weight_diff, rel_diff, weights
 
 ray = pytest.importorskip("ray")
@@ -141,7 +143,8 @@ def test_worker_group_scatters_per_rank_arguments_and_names_a_failing_rank(ray_a
 def test_ray_matches_spmd(tmp_path, model_path, data, ray_address, chat_rows):
     """2 Ray workers == 2 torchrun ranks: every step's loss and the final weights (fp32), on a
     3:1 mixture of two training files, with per-dataset train and val losses (the SPMD ranks
-    all-reduce them, the driver adds up its workers')."""
+    all-reduce them, the driver adds up its workers').
+    The Ray run also logs to W&B (offline) from the driver and profiles step 2 on both workers."""
     train, val = data
     other = write_parquet([{"messages": c} for c in chat_rows[24:36]], tmp_path / "other.parquet")
     common = {"trainer.total_steps": 3, "data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 2,
@@ -149,12 +152,16 @@ def test_ray_matches_spmd(tmp_path, model_path, data, ray_address, chat_rows):
               "data.val_files": f"[{val}, {other}]"}
     spmd, on_ray = tmp_path / "spmd", tmp_path / "ray"
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, spmd, **common), nproc=2))
+    tracking = {"trainer.loggers": "[jsonl,wandb]", "trainer.profile_steps": "[2,2]", "trainer.profile_ranks": "[0,1]"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hpsft.train_ray",
-         *base_overrides(model_path, train, val, on_ray, **common, **RAY_WORKERS, **{"ray.address": ray_address})],
-        cwd=REPO, env={**train_env(), **RAY_ENV}, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "hpsft.train_ray", *base_overrides(
+            model_path, train, val, on_ray, **common, **RAY_WORKERS, **tracking, **{"ray.address": ray_address})],
+        cwd=REPO, env={**train_env(), **RAY_ENV, **wandb_offline_env(tmp_path)},
+        capture_output=True, text=True, timeout=600,
     )
     assert_ok(proc)
+    assert_holds_the_jsonl_scalars(wandb_records(only_run_log(on_ray)), on_ray, [1, 2, 3])
+    assert profiled_steps(on_ray, 0) == profiled_steps(on_ray, 1) == ["step 2"]
     a, b = read_metrics(spmd), read_metrics(on_ray)
     assert [m["step"] for m in b] == [1, 2, 3]
     for x, y in zip(a, b):

@@ -1,6 +1,6 @@
 """Typed configuration: YAML + dotted overrides -> frozen dataclasses. Imports nothing of hpsft."""
 
-from hpsft.config.load import ConfigError, load_config, to_yaml
+from hpsft.config.load import ConfigError, load_config, masked_dict, to_yaml
 from hpsft.config.schema import (
     DataConfig,
     EngineConfig,
@@ -10,9 +10,11 @@ from hpsft.config.schema import (
     RayConfig,
     SFTConfig,
     TrainerConfig,
+    WandbConfig,
 )
 
 __all__ = [
-    "ConfigError", "load_config", "to_yaml",
+    "ConfigError", "load_config", "masked_dict", "to_yaml",
     "DataConfig", "EngineConfig", "LossConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
+    "WandbConfig",
 ]

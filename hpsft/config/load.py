@@ -7,7 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hpsft.config.schema import SFTConfig
-from hpsft.config.secrets import mask_secrets
+from hpsft.config.secrets import is_secret_key, mask_secrets
 
 
 class ConfigError(ValueError):
@@ -26,6 +26,10 @@ def _valid_keys(node, key_path: str) -> list[str]:
 def _explain(err: OmegaConfBaseException, schema) -> str:
     key = getattr(err, "full_key", None) or ""
     if isinstance(err, ConfigKeyError):
+        if is_secret_key(key):  # e.g. trainer.wandb.api_key: a credential has no config key at all
+            return (f"config key '{key}' would hold a credential: hpsft takes credentials from the environment "
+                    "only (WANDB_API_KEY, HF_TOKEN, ...) and never from the config, which it writes to the run "
+                    "directory and the trackers; remove the key and export the variable instead")
         return f"unknown config key '{key}'; valid keys here: {', '.join(_valid_keys(schema, key))}"
     return f"bad value for config key '{key}': {str(err).splitlines()[0]}"
 
@@ -59,6 +63,11 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
     return config
 
 
+def masked_dict(config: SFTConfig) -> dict:
+    """The config as nested dicts with its secrets masked (hpsft/config/secrets.py): what the trackers get."""
+    return mask_secrets(OmegaConf.to_container(OmegaConf.structured(config)))
+
+
 def to_yaml(config: SFTConfig) -> str:
-    """The config as YAML with its secrets masked (hpsft/config/secrets.py): what config.yaml holds."""
-    return OmegaConf.to_yaml(OmegaConf.create(mask_secrets(OmegaConf.to_container(OmegaConf.structured(config)))))
+    """The masked config as YAML: what config.yaml holds."""
+    return OmegaConf.to_yaml(OmegaConf.create(masked_dict(config)))

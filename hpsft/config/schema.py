@@ -222,6 +222,21 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (trainer.loggers includes wandb). The API key comes from the
+    WANDB_API_KEY environment variable only, never from the config (docs/tracking.md)."""
+
+    project: str = "hpsft"
+    entity: Optional[str] = None  # None: the key's default entity
+    name: Optional[str] = None  # None: W&B's generated run name
+    mode: Optional[str] = None  # online | offline; None: the WANDB_MODE environment variable, else online
+
+    def __post_init__(self):
+        if self.mode is not None:
+            check_choice("trainer.wandb", "mode", self.mode, {"online", "offline"})
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     total_epochs: int = 1
     total_steps: Optional[int] = None  # if set, overrides total_epochs (epochs repeat as needed)
@@ -240,11 +255,16 @@ class TrainerConfig:
     overwrite_output_dir: bool = False
     keep_last_checkpoints: int = 0  # 0: keep every checkpoint; N: the newest N (the one just saved always)
     max_skipped_steps: int = 10  # this many steps in a row with a non-finite gradient norm stop the run
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])  # + wandb
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     log_every: int = 1
     export_hf: bool = True  # write the final model as a Hugging Face folder in <output_dir>/hf
     progress_bar: bool = True
     peak_flops_per_device: Optional[float] = None  # MFU denominator; measured (a GEMM) at start-up when unset
+    # [first, last] optimizer steps (both included, counted from 1) to record with torch.profiler
+    # into <output_dir>/profile/, on the data-parallel ranks in profile_ranks.
+    profile_steps: Optional[list[int]] = None
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self):
         check_positive("trainer", "total_epochs", self.total_epochs)
@@ -261,7 +281,13 @@ class TrainerConfig:
                 "delete what it resumes from)"
             )
         for name in self.loggers:
-            check_choice("trainer", "loggers", name, {"console", "jsonl", "tensorboard"})
+            check_choice("trainer", "loggers", name, {"console", "jsonl", "tensorboard", "wandb"})
+        if self.profile_steps is not None and (len(self.profile_steps) != 2
+                                               or not 1 <= self.profile_steps[0] <= self.profile_steps[1]):
+            raise ValueError(f"trainer.profile_steps must be [first, last] with 1 <= first <= last (steps counted "
+                             f"from 1, both profiled), got {list(self.profile_steps)}")
+        if any(rank < 0 for rank in self.profile_ranks):
+            raise ValueError(f"trainer.profile_ranks must be ranks >= 0, got {list(self.profile_ranks)}")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from hpsft.data.chat_messages import BadRow
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.errors import UserInputError
 from hpsft.files import load_plain_data, umask_mode
+from hpsft.progress import progress_bar
 
 
 class DataError(UserInputError):
@@ -155,22 +156,24 @@ def truncate(input_ids: list[int], loss_mask: list[int], opts: TokenizeOptions):
     return input_ids[keep], loss_mask[keep]
 
 
-def tokenize_files(files: list[Path], tokenizer, opts: TokenizeOptions) -> dict:
+def tokenize_files(files: list[Path], tokenizer, opts: TokenizeOptions, progress: bool = False) -> dict:
     tokens, masks, lengths, skipped = [], [], [], 0
-    for path in files:
-        for row_idx, row in enumerate(read_rows(path)):
-            try:
-                messages, tools = row_to_messages(row, opts)
-                ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
-                ids, mask = truncate(ids, mask, opts)
-            except BadRow as err:
-                if opts.bad_rows == "skip":
-                    skipped += 1
-                    continue
-                raise DataError(f"{path} row {row_idx}: {err} (set data.bad_rows=skip to skip such rows)") from None
-            tokens.extend(ids)
-            masks.extend(mask)
-            lengths.append(len(ids))
+    with progress_bar(progress, desc="tokenize", unit="row") as bar:  # no total: rows are counted as read
+        for path in files:
+            for row_idx, row in enumerate(read_rows(path)):
+                bar.update(1)
+                try:
+                    messages, tools = row_to_messages(row, opts)
+                    ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
+                    ids, mask = truncate(ids, mask, opts)
+                except BadRow as err:
+                    if opts.bad_rows == "skip":
+                        skipped += 1
+                        continue
+                    raise DataError(f"{path} row {row_idx}: {err} (set data.bad_rows=skip to skip such rows)") from None
+                tokens.extend(ids)
+                masks.extend(mask)
+                lengths.append(len(ids))
     if not lengths:
         raise DataError(f"no usable rows in {[str(f) for f in files]}")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -201,8 +204,10 @@ def cache_key(files: list[Path], tokenizer, opts: TokenizeOptions) -> str:
     return h.hexdigest()[:24]
 
 
-def load_or_tokenize(files: list[str], tokenizer, opts: TokenizeOptions, cache_dir: str | Path) -> dict:
-    """Tokenized data of `files`, from the cache when present; written atomically."""
+def load_or_tokenize(files: list[str], tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
+                     progress: bool = False) -> dict:
+    """Tokenized data of `files`, from the cache when present; written atomically. `progress`:
+    a progress bar while tokenizing (on a terminal)."""
     files = [Path(f) for f in files]
     for path in files:
         if not path.is_file():
@@ -218,7 +223,7 @@ def load_or_tokenize(files: list[str], tokenizer, opts: TokenizeOptions, cache_d
     except OSError as err:
         raise DataError(f"data.cache_dir={cache_dir}: cannot write the tokenized data there ({err.strerror}); "
                         "choose another data.cache_dir") from None
-    data = tokenize_files(files, tokenizer, opts)
+    data = tokenize_files(files, tokenizer, opts, progress)
     fd, tmp = tempfile.mkstemp(prefix=cache_path.name + ".", dir=cache_path.parent)
     os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
     os.close(fd)

@@ -52,11 +52,18 @@ class DataParallelWorker:
                 gathered[key][torch.as_tensor(rank_positions, dtype=torch.int64)] = out[key]
         return gathered
 
+    def start_profiler(self, folder: str, ranks: list[int], first_step: int) -> None:
+        self.group.start_profiler(folder, ranks, first_step).get()
+
+    def stop_profiler(self) -> None:
+        self.group.stop_profiler().get()
+
     def save_checkpoint(self, root: str, tag: str) -> None:
         self.group.save_checkpoint(root, tag).get()
 
     def load_checkpoint(self, root: str, tag: str) -> None:
         self.group.load_checkpoint(root, tag).get()
 
-    def export_hf(self, out_dir: str, tokenizer) -> None:
-        self.group.export_hf(out_dir, tokenizer).get()  # rank 0 writes; every rank gathers
+    def export_hf(self, out_dir: str, tokenizer, progress: bool = False) -> None:
+        # rank 0 writes; every rank gathers. Its bar shows only if the actor's stderr is a terminal.
+        self.group.export_hf(out_dir, tokenizer, progress=progress).get()

@@ -67,6 +67,7 @@ class RaySFTTrainer(SFTTrainer):
                 return super().fit()
             except WorkerLostError as err:  # the group has already killed its other ranks
                 self.worker = None
+                self.profiling = False  # a profiler of the lost group went with it (the new one starts anew)
                 if restarts == self.config.ray.max_restarts:
                     raise
                 restarts += 1

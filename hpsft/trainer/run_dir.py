@@ -12,7 +12,8 @@ from pathlib import Path
 
 # Everything a run (and `hpsft samples`/`hpsft plot` on it) writes into its output_dir besides
 # config.yaml, which every run rewrites.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "hf", "samples.md", "samples.jsonl", "plots")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "wandb", "profile", "hf", "samples.md", "samples.jsonl",
+               "plots")
 
 
 def unwritable_problem(run_dir: Path) -> str | None:

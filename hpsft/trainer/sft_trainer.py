@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
@@ -23,7 +22,8 @@ from hpsft.data.sampler import training_sampler
 from hpsft.data.sources import SourcedDataset
 from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
-from hpsft.tracking import Tracker
+from hpsft.progress import progress_bar, step_postfix
+from hpsft.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
 from hpsft.trainer.failure_hook import fail, failing_step
 from hpsft.trainer.fingerprint import differences, run_fingerprint
@@ -53,10 +53,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def build_dataset(sources, tokenizer, data_config) -> SourcedDataset:
+def build_dataset(sources, tokenizer, data_config, progress: bool = False) -> SourcedDataset:
     """One dataset per source (DataSource), seen as one. Built-in: rank 0 tokenizes (or reads
     the cache), the others then read the cache. A custom class (data.custom_cls) is built on
-    every rank from its source's path."""
+    every rank from its source's path. `progress`: a bar while rank 0 tokenizes."""
     custom = data_config.custom_cls
     if custom.path is not None:
         cls = load_custom_class(custom.path, custom.name)
@@ -65,10 +65,10 @@ def build_dataset(sources, tokenizer, data_config) -> SourcedDataset:
                               f"class {custom.name} of {custom.path}")
     opts = TokenizeOptions.from_data_config(data_config)
 
-    def tokenized(path: str) -> dict:
-        return load_or_tokenize([path], tokenizer, opts, data_config.cache_dir)
+    def tokenized(path: str, show_progress: bool = False) -> dict:
+        return load_or_tokenize([path], tokenizer, opts, data_config.cache_dir, show_progress)
 
-    distributed.on_rank0_then_share(lambda: [tokenized(s.path) for s in sources] and None)
+    distributed.on_rank0_then_share(lambda: [tokenized(s.path, progress) for s in sources] and None)
     return SourcedDataset([SFTDataset(tokenized(s.path)) for s in sources], [s.name for s in sources],
                           data_config.max_length, "built-in dataset")
 
@@ -84,6 +84,10 @@ class SFTTrainer:
             print(f"hpsft: {self.launch_description()}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
+        distributed.on_rank0_then_share(lambda: check_trackers_available(config))  # rank 0 logs
+        if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= self.dp_size:
+            raise UserInputError(f"trainer.profile_ranks={list(config.trainer.profile_ranks)} names a rank the run "
+                                 f"does not have: its data-parallel ranks are 0..{self.dp_size - 1}")
         seed_everything(config.trainer.seed)
         data = config.data
         if data.train_batch_size % self.dp_size:
@@ -97,8 +101,9 @@ class SFTTrainer:
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         if data.chat_template is not None:  # also what the exported tokenizer carries
             self.tokenizer.chat_template = chat_template_text(data.chat_template)
-        self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data)
-        self.val_dataset = build_dataset(data.val_sources(), self.tokenizer, data) if data.val_files else None
+        progress = config.trainer.progress_bar
+        self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data, progress)
+        self.val_dataset = build_dataset(data.val_sources(), self.tokenizer, data, progress) if data.val_files else None
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()
         # Rank 0 records it in every checkpoint and checks a resumed one against it.
@@ -122,9 +127,10 @@ class SFTTrainer:
         self.global_step, self.epoch = 0, 0
         self.samples_in_epoch = 0  # of the epoch's global sample order, consumed by finished steps
         self.last_checkpoint: Path | None = None  # the newest this run saved or resumed from
+        self.profiling = False  # inside trainer.profile_steps, the worker's profiler running
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-        self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
+        self.tracker = Tracker(config, self.run_dir, self.global_step) if self.rank == 0 else None
 
     def place_process(self) -> tuple[int, int, int]:
         """This process's rank and world size in torch.distributed, and the data-parallel size."""
@@ -342,12 +348,30 @@ class SFTTrainer:
         finally:
             self.worker.reset()
 
+    def profile_before_step(self) -> None:
+        """Start the profiler at the first step of trainer.profile_steps this run makes (a run
+        resumed inside the range profiles the rest of it)."""
+        steps = self.config.trainer.profile_steps
+        if steps and not self.profiling and steps[0] <= self.global_step + 1 <= steps[1]:
+            self.worker.start_profiler(str(self.run_dir / "profile"), list(self.config.trainer.profile_ranks),
+                                       self.global_step + 1)
+            self.profiling = True
+
+    def profile_after_step(self) -> None:
+        if self.profiling and self.global_step == self.config.trainer.profile_steps[1]:
+            self.stop_profiler()
+
+    def stop_profiler(self) -> None:
+        self.worker.stop_profiler()
+        self.profiling = False
+        if self.rank == 0:
+            print(f"hpsft: profile of steps {list(self.config.trainer.profile_steps)} written to "
+                  f"{self.run_dir / 'profile'}", flush=True)
+
     def fit(self) -> None:
         trainer_cfg = self.config.trainer
-        progress = tqdm(
-            total=self.total_steps, initial=self.global_step, desc="train",
-            disable=self.rank != 0 or not trainer_cfg.progress_bar, dynamic_ncols=True,
-        )
+        progress = progress_bar(self.rank == 0 and trainer_cfg.progress_bar, total=self.total_steps,
+                                initial=self.global_step, desc="train", unit="step")
         last_step = min(self.total_steps, trainer_cfg.stop_at_step or self.total_steps)
         if trainer_cfg.val_before_train and self.global_step == 0 and self.val_dataset is not None:
             val_metrics = self.validate()  # where the curve starts: the model before any update
@@ -358,14 +382,16 @@ class SFTTrainer:
         with PreemptionWatch() as preemption:
             while self.global_step < last_step and not preempted:
                 batch = next(batches)
+                self.profile_before_step()
                 start = time.perf_counter()
                 out = self.train_step(batch)
                 self.global_step += 1
                 metrics = self.step_metrics(out, time.perf_counter() - start)
+                self.profile_after_step()  # after the step's time is taken: writing the trace is slow
                 self.skipped_steps.record(out["grad_norm"])  # the same global norm on every rank
                 metrics["train/skipped_steps"] = self.skipped_steps.total
                 progress.update(1)
-                progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                progress.set_postfix(step_postfix(metrics))
                 preempted = preemption.stop_agreed()
                 final = self.global_step == last_step
                 if self.val_dataset is not None and not preempted and (
@@ -378,10 +404,12 @@ class SFTTrainer:
                 if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final or preempted:
                     self.save_checkpoint()
             progress.close()
+            if self.profiling:  # the run stopped inside trainer.profile_steps (stop_at_step, a signal)
+                self.stop_profiler()
             if self.tracker:
                 self.tracker.close()
             if preempted:  # still watching: the entry point ignores further signals from here on
                 raise Preempted(self.global_step, self.last_checkpoint)
         if trainer_cfg.export_hf and self.global_step == self.total_steps:
-            self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer)
+            self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer, progress=trainer_cfg.progress_bar)
             distributed.barrier()

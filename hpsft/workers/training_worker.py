@@ -5,6 +5,7 @@ takes this rank's share of a global batch (a jagged TensorDict), splits it into
 micro-batches (as many as every other rank runs), and returns plain Python metrics.
 """
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,8 @@ from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verif
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
+from hpsft.profiling import StepProfiler
+from hpsft.progress import progress_bar
 from hpsft.workers.fault_hook import maybe_fail
 
 
@@ -70,6 +73,7 @@ class TrainingWorker:
         self.engine = DeepSpeedEngine(engine_config, optim_config, total_steps)
         self.n_sources = len(data_config.train_files)  # per-source losses are summed when more than one
         self.loss_fn: Callable = token_mean_loss
+        self.profiler: StepProfiler | None = None  # while trainer.profile_steps are running on this rank
 
     def init_model(self) -> None:
         cfg = self.model_config
@@ -136,7 +140,8 @@ class TrainingWorker:
         if self.n_sources > 1:
             rows = [{**row, "sequence_nll": True} for row in rows]
         start = time.perf_counter()  # after the collectives above: every rank starts together
-        result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
+        with self.profiler.annotate_step() if self.profiler else contextlib.nullcontext():
+            result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
         seconds = time.perf_counter() - start
         flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
                             local_loss_tokens)
@@ -176,6 +181,18 @@ class TrainingWorker:
                 loss_tokens.index_add_(0, sources, out["sequence_tokens"].cpu().double())
         return nll_sums.tolist(), loss_tokens.tolist()
 
+    def start_profiler(self, folder: str, ranks: list[int], first_step: int) -> None:
+        """Profile the following train_batch calls (steps first_step, first_step + 1, ...) if
+        this rank is in `ranks`."""
+        if distributed.rank() in ranks:
+            self.profiler = StepProfiler(Path(folder), distributed.rank(), first_step)
+
+    def stop_profiler(self) -> None:
+        """Write the trace and table of the profiled steps (hpsft/profiling.py)."""
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
     def infer_batch(self, batch) -> dict:
         """Per-sequence NLL sums and loss-token counts (no gradients), in the batch's order."""
         n = batch.batch_size[0]
@@ -196,13 +213,16 @@ class TrainingWorker:
         maybe_fail("load_checkpoint")
         self.engine.load_checkpoint(root, tag)
 
-    def export_hf(self, out_dir: str, tokenizer, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> None:
+    def export_hf(self, out_dir: str, tokenizer, max_shard_mb: int = DEFAULT_MAX_SHARD_MB,
+                  progress: bool = False) -> None:
         """Write the model + tokenizer as a Hugging Face folder: rank 0 writes safetensors shards
-        as the engine hands it one whole tensor at a time (gathered under ZeRO-3); a
-        collective, every rank calls it."""
+        as the engine hands it one whole tensor at a time (gathered under ZeRO-3), with a
+        progress bar if `progress`; a collective, every rank calls it."""
         lm = self.engine.module.lm
-        tensors = self.engine.gathered_tensors(weight_names(lm))
+        names = weight_names(lm)
+        tensors = self.engine.gathered_tensors(names)
         if distributed.rank() == 0:
+            tensors = progress_bar(progress, iterable=tensors, total=len(names), desc="export", unit="tensor")
             write_hf_folder(lm.config, lm.generation_config if lm.can_generate() else None, tensors, tokenizer,
                             Path(out_dir), max_shard_mb)
         else:
