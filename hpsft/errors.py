@@ -8,6 +8,8 @@ Preempted: a stop signal (hpsft/trainer/preemption.py) after which the run saved
 checkpoint; exit status PREEMPTED_EXIT_CODE.
 """
 
+import functools
+import sys
 from pathlib import Path
 
 # EX_TEMPFAIL of sysexits.h ("temporary failure, try again"): unlike 128+15, which a
@@ -17,6 +19,26 @@ PREEMPTED_EXIT_CODE = 75
 
 class UserInputError(ValueError):
     pass
+
+
+def report_user_error(err: UserInputError) -> int:
+    """Print the one line a user error ends in; return its exit status."""
+    print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
+    return 2
+
+
+def exits_2_on_user_error(main):
+    """For a tool's main(argv) -> int: a UserInputError (a ConfigError is one) ends it in one
+    `hpsft: error:` line and exit status 2; anything else keeps its traceback."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except UserInputError as err:
+            return report_user_error(err)
+
+    return run
 
 
 class Preempted(Exception):

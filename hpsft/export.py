@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpsft.errors import UserInputError
+from hpsft.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB, weight_names
 
 
@@ -109,15 +109,10 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     return checkpoint
 
 
+@exits_2_on_user_error
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from hpsft.config import ConfigError
-
-    try:
-        checkpoint = export(args.checkpoint, args.out_dir, args.model, args.max_shard_mb)
-    except (ConfigError, UserInputError) as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    checkpoint = export(args.checkpoint, args.out_dir, args.model, args.max_shard_mb)
     print(f"hpsft: exported {checkpoint} to {args.out_dir}", flush=True)
     return 0
 

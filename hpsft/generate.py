@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hpsft.errors import UserInputError
+from hpsft.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.loading import check_model_path, load_tokenizer
 
 
@@ -54,6 +54,7 @@ def generate_replies(model, tokenizer, prompts: list[str], max_new_tokens: int =
     return replies
 
 
+@exits_2_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpsft generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,15 +66,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model folder")
     args = parser.parse_args(argv)
-    try:
-        model, tokenizer = load_for_generation(model_folder(args.model), args.trust_remote_code)
-        torch.manual_seed(args.seed)
-        for prompt, reply in zip(args.prompt, generate_replies(model, tokenizer, args.prompt, args.max_new_tokens,
-                                                               args.temperature, args.system)):
-            print(f"### user\n{prompt}\n### assistant\n{reply}\n", flush=True)
-    except UserInputError as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    model, tokenizer = load_for_generation(model_folder(args.model), args.trust_remote_code)
+    torch.manual_seed(args.seed)
+    for prompt, reply in zip(args.prompt, generate_replies(model, tokenizer, args.prompt, args.max_new_tokens,
+                                                           args.temperature, args.system)):
+        print(f"### user\n{prompt}\n### assistant\n{reply}\n", flush=True)
     return 0
 
 

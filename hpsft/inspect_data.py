@@ -20,9 +20,8 @@ from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.dataset import TokenizeOptions, read_rows, row_to_messages
-from hpsft.errors import UserInputError
+from hpsft.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.loading import check_model_path, load_tokenizer
-from hpsft.train import USER_ERRORS
 
 PLAIN_MARKS = ("[[", "]]")
 COLOR_MARKS = ("\033[32m", "\033[0m")
@@ -80,6 +79,7 @@ def length_report(lengths: list[int], refused: Counter, opts: TokenizeOptions) -
     return lines + histogram(lengths)
 
 
+@exits_2_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpsft inspect-data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,36 +90,32 @@ def main(argv=None) -> int:
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="mark supervised tokens in colour (auto: on a terminal) or with [[ ]]")
     args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        opts = TokenizeOptions.from_data_config(config.data)
-        tokenizer = load_tokenizer(str(check_model_path(config.model.path, config.model.trust_remote_code)),
-                                   config.model.trust_remote_code)
-        if opts.chat_template is None and tokenizer.chat_template is None:
-            raise UserInputError(f"the tokenizer of {config.model.path} has no chat template: name one with "
-                                 "data.chat_template=<Jinja text or .jinja file>")
-        color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        marks = COLOR_MARKS if color else PLAIN_MARKS
-        lengths, refused, shown = [], Counter(), 0
-        for path in (Path(source.path) for source in config.data.train_sources()):
-            for row_idx, row in enumerate(read_rows(path)):
-                if args.stats_rows is not None and len(lengths) + sum(refused.values()) >= args.stats_rows:
-                    break
-                try:
-                    messages, tools = row_to_messages(row, opts)
-                    ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
-                except BadRow as err:
-                    refused[str(err)] += 1
-                    continue
-                lengths.append(len(ids))
-                if shown < args.rows:
-                    shown += 1
-                    print(f"=== {path} row {row_idx}: {len(ids)} tokens, {sum(mask)} supervised")
-                    print(marked_text(tokenizer, ids, mask, marks))
-        print("\n".join(length_report(lengths, refused, opts)))
-    except USER_ERRORS as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    config = load_config(args.config, args.overrides)
+    opts = TokenizeOptions.from_data_config(config.data)
+    tokenizer = load_tokenizer(str(check_model_path(config.model.path, config.model.trust_remote_code)),
+                               config.model.trust_remote_code)
+    if opts.chat_template is None and tokenizer.chat_template is None:
+        raise UserInputError(f"the tokenizer of {config.model.path} has no chat template: name one with "
+                             "data.chat_template=<Jinja text or .jinja file>")
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    marks = COLOR_MARKS if color else PLAIN_MARKS
+    lengths, refused, shown = [], Counter(), 0
+    for path in (Path(source.path) for source in config.data.train_sources()):
+        for row_idx, row in enumerate(read_rows(path)):
+            if args.stats_rows is not None and len(lengths) + sum(refused.values()) >= args.stats_rows:
+                break
+            try:
+                messages, tools = row_to_messages(row, opts)
+                ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
+            except BadRow as err:
+                refused[str(err)] += 1
+                continue
+            lengths.append(len(ids))
+            if shown < args.rows:
+                shown += 1
+                print(f"=== {path} row {row_idx}: {len(ids)} tokens, {sum(mask)} supervised")
+                print(marked_text(tokenizer, ids, mask, marks))
+    print("\n".join(length_report(lengths, refused, opts)))
     return 0
 
 

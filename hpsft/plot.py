@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from hpsft.errors import UserInputError
+from hpsft.errors import UserInputError, exits_2_on_user_error
 
 # file name -> (title, y label, metrics drawn on it)
 CHARTS = {
@@ -75,18 +75,15 @@ def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
     return written
 
 
+@exits_2_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpsft plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="a run directory (trainer.output_dir)")
     parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: RUN_DIR/plots)")
     args = parser.parse_args(argv)
-    try:
-        for path in plot_run(args.run_dir, args.out or args.run_dir / "plots"):
-            print(path)
-    except UserInputError as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    for path in plot_run(args.run_dir, args.out or args.run_dir / "plots"):
+        print(path)
     return 0
 
 

@@ -33,7 +33,7 @@ from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.dataset import TokenizeOptions, UnreadableRow, chat_template_text, drop_nulls, read_rows, \
     row_to_messages
 from hpsft.data.sharegpt import is_sharegpt, sharegpt_messages
-from hpsft.errors import UserInputError
+from hpsft.errors import UserInputError, exits_2_on_user_error
 
 DROP_REASONS = ("malformed", "empty", "duplicate", "over_max_length")
 EXAMPLES_PER_REASON = 5  # where and why, for the first few dropped rows of each reason
@@ -258,6 +258,7 @@ def prepare_files(args) -> dict:
     return report
 
 
+@exits_2_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpsft prepare-data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,22 +284,18 @@ def main(argv=None) -> int:
     parser.add_argument("--sharegpt", type=int, default=0,
                         help="packaged corpora only: also take the first N packaged ShareGPT conversations")
     args = parser.parse_args(argv)
-    try:
-        if not args.inputs:
-            given = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "max_length", "chat_template", "split",
-                                                                 "dedupe") if getattr(args, name)]
-            if given:
-                raise UserInputError(f"{', '.join(given)} go with input files; the packaged corpora take --out, "
-                                     "--val-fraction, --seed and --sharegpt")
-            val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
-            for path in chat_corpora.build(args.out, val_fraction, args.sharegpt, args.seed):
-                print(f"{path} ({pq.read_metadata(path).num_rows} rows)")
-            return 0
-        print(report_text(prepare_files(args)))
-        print(args.out / "report.json")
-    except UserInputError as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    if not args.inputs:
+        given = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "max_length", "chat_template", "split",
+                                                             "dedupe") if getattr(args, name)]
+        if given:
+            raise UserInputError(f"{', '.join(given)} go with input files; the packaged corpora take --out, "
+                                 "--val-fraction, --seed and --sharegpt")
+        val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
+        for path in chat_corpora.build(args.out, val_fraction, args.sharegpt, args.seed):
+            print(f"{path} ({pq.read_metadata(path).num_rows} rows)")
+        return 0
+    print(report_text(prepare_files(args)))
+    print(args.out / "report.json")
     return 0
 
 

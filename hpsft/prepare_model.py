@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpsft.errors import UserInputError
+from hpsft.errors import UserInputError, exits_2_on_user_error
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Fine-tuning checks: 1, 2, 3."
 
@@ -173,6 +173,7 @@ def packaged(out_dir: Path, num_layers: int | None = None, full_dir: Path | None
     return convert(full, out_dir, num_layers, overwrite=True)
 
 
+@exits_2_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpsft prepare-model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,17 +186,13 @@ def main(argv=None) -> int:
                         help="packaged model with --num-layers: where its full conversion is cached "
                         "(default: <out parent>/smollm2-135m)")
     args = parser.parse_args(argv)
-    try:
-        if args.source is None:
-            out = packaged(args.out, args.num_layers, args.full)
-        elif args.full is not None:
-            raise UserInputError("--full names where the packaged model's full conversion is cached: it goes "
-                                 "without a source")
-        else:
-            out = convert(args.source, args.out, args.num_layers, args.overwrite)
-    except UserInputError as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    if args.source is None:
+        out = packaged(args.out, args.num_layers, args.full)
+    elif args.full is not None:
+        raise UserInputError("--full names where the packaged model's full conversion is cached: it goes "
+                             "without a source")
+    else:
+        out = convert(args.source, args.out, args.num_layers, args.overwrite)
     print(out)
     return 0
 

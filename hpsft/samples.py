@@ -16,9 +16,8 @@ from pathlib import Path
 
 from hpsft.config import load_config
 from hpsft.data.dataset import TokenizeOptions, read_rows, row_to_messages
-from hpsft.errors import UserInputError
+from hpsft.errors import UserInputError, exits_2_on_user_error
 from hpsft.generate import generate_replies, load_for_generation, model_folder
-from hpsft.train import USER_ERRORS
 
 
 def held_out_prompts(path: Path, n: int, opts: TokenizeOptions) -> list[tuple[str, str]]:
@@ -42,6 +41,7 @@ def replies_of(folder: Path, prompts: list[str], max_new_tokens: int, trust_remo
     return generate_replies(model, tokenizer, prompts, max_new_tokens)
 
 
+@exits_2_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpsft samples", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,33 +50,29 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=4, help="prompts (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
-    try:
-        if not (args.run_dir / "config.yaml").is_file():
-            raise UserInputError(f"{args.run_dir} has no config.yaml: give a run directory (trainer.output_dir)")
-        config = load_config(str(args.run_dir / "config.yaml"))
-        prompts_file = args.prompts or (Path(config.data.val_sources()[0].path) if config.data.val_files else None)
-        if prompts_file is None:
-            raise UserInputError("the run has no validation file: name a file of held-out chats with --prompts")
-        pairs = held_out_prompts(prompts_file, args.n, TokenizeOptions.from_data_config(config.data))
-        prompts = [prompt for prompt, _ in pairs]
-        trust = config.model.trust_remote_code
-        before = replies_of(Path(config.model.path), prompts, args.max_new_tokens, trust)
-        after = replies_of(model_folder(args.run_dir), prompts, args.max_new_tokens, trust)
-        records = [{"prompt": p, "reference": r, "before": b, "after": a}
-                   for (p, r), b, a in zip(pairs, before, after)]
-        with open(args.run_dir / "samples.jsonl", "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in records)
-        lines = ["# Replies before and after training", "",
-                 f"Before: `{config.model.path}`; after: `{args.run_dir / 'hf'}`. Greedy, at most "
-                 f"{args.max_new_tokens} new tokens. Prompts: the first user turns of `{prompts_file}`.", ""]
-        for i, record in enumerate(records, 1):
-            lines += [f"## {i}. {record['prompt']}", "", f"- data: {record['reference']}",
-                      f"- before: {record['before']}", f"- after: {record['after']}", ""]
-        (args.run_dir / "samples.md").write_text("\n".join(lines))
-        print("\n".join(lines), flush=True)
-    except USER_ERRORS as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    if not (args.run_dir / "config.yaml").is_file():
+        raise UserInputError(f"{args.run_dir} has no config.yaml: give a run directory (trainer.output_dir)")
+    config = load_config(str(args.run_dir / "config.yaml"))
+    prompts_file = args.prompts or (Path(config.data.val_sources()[0].path) if config.data.val_files else None)
+    if prompts_file is None:
+        raise UserInputError("the run has no validation file: name a file of held-out chats with --prompts")
+    pairs = held_out_prompts(prompts_file, args.n, TokenizeOptions.from_data_config(config.data))
+    prompts = [prompt for prompt, _ in pairs]
+    trust = config.model.trust_remote_code
+    before = replies_of(Path(config.model.path), prompts, args.max_new_tokens, trust)
+    after = replies_of(model_folder(args.run_dir), prompts, args.max_new_tokens, trust)
+    records = [{"prompt": p, "reference": r, "before": b, "after": a}
+               for (p, r), b, a in zip(pairs, before, after)]
+    with open(args.run_dir / "samples.jsonl", "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+    lines = ["# Replies before and after training", "",
+             f"Before: `{config.model.path}`; after: `{args.run_dir / 'hf'}`. Greedy, at most "
+             f"{args.max_new_tokens} new tokens. Prompts: the first user turns of `{prompts_file}`.", ""]
+    for i, record in enumerate(records, 1):
+        lines += [f"## {i}. {record['prompt']}", "", f"- data: {record['reference']}",
+                  f"- before: {record['before']}", f"- after: {record['after']}", ""]
+    (args.run_dir / "samples.md").write_text("\n".join(lines))
+    print("\n".join(lines), flush=True)
     return 0
 
 

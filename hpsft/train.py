@@ -8,11 +8,8 @@ import os
 import sys
 import traceback
 
-from hpsft.config import ConfigError, load_config
-from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError
-
-# Bad input the user can fix: reported as one line, no traceback.
-USER_ERRORS = (ConfigError, UserInputError)
+from hpsft.config import load_config
+from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError, report_user_error
 
 
 def parse_args(argv):
@@ -51,9 +48,8 @@ def main(argv=None) -> int:
         from hpsft.trainer import SFTTrainer  # heavy imports after the config is known good
 
         SFTTrainer(config).fit()
-    except USER_ERRORS as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return failed(2)
+    except UserInputError as err:  # a ConfigError is one
+        return failed(report_user_error(err))
     except Preempted as stop:
         from hpsft.trainer.preemption import ignore_stop_signals
 

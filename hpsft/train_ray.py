@@ -12,8 +12,7 @@ import os
 import sys
 
 from hpsft.config import load_config
-from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted
-from hpsft.train import USER_ERRORS
+from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError, report_user_error
 
 
 def connect(address: str | None) -> None:
@@ -62,9 +61,8 @@ def main(argv=None) -> int:
             trainer.fit()
         finally:
             trainer.close()
-    except USER_ERRORS as err:
-        print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    except UserInputError as err:  # a ConfigError is one
+        return report_user_error(err)
     except (WorkerLostError, WorkerFailedError) as err:
         if isinstance(err, WorkerFailedError):  # where it failed, then the one-line summary last
             print(f"hpsft: the worker's traceback:\n{err.remote_traceback}", file=sys.stderr)

@@ -7,10 +7,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hpsft.config.schema import SFTConfig
+from hpsft.errors import UserInputError
 from hpsft.config.secrets import is_secret_key, mask_secrets
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError):
     """A bad config: the message names the key and what is allowed."""
 
 
