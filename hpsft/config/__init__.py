@@ -4,6 +4,7 @@ from hpsft.config.load import ConfigError, load_config, to_yaml
 from hpsft.config.schema import (
     DataConfig,
     EngineConfig,
+    LoraConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -14,5 +15,5 @@ from hpsft.config.schema import (
 
 __all__ = [
     "ConfigError", "load_config", "to_yaml",
-    "DataConfig", "EngineConfig", "LossConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
+    "DataConfig", "EngineConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
 ]

@@ -11,7 +11,9 @@ each weight file's size with a hash of its first and last MiB: cheap on big mode
 unlike names and sizes alone it tells two fine-tunes of one architecture apart), the
 tokenizer's vocabulary size, the sha256 of every training file's content (not its path:
 a moved file is the same data), the effective chat template and the tokenization options,
-the global batch size, shuffling and the seed, and the loss terms that change the objective.
+the global batch size, shuffling and the seed, the loss terms that change the objective, and
+the LoRA settings of a LoRA run (`model.lora`: which parameters exist and are trained; absent
+without LoRA, so full fine-tuning checkpoints of earlier versions keep their fingerprint).
 
 What is not, because changing it on resume is harmless or meant: logging, save cadence,
 keep_last_checkpoints, output and export options, total_steps/total_epochs (extending a
@@ -20,6 +22,7 @@ non-finite steps), and how the global batch is split (data-parallel size, micro-
 token budget, ZeRO stage): a resume with another data-parallel size is supported.
 """
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -71,6 +74,7 @@ def run_fingerprint(config, tokenizer) -> dict:
         "trainer.seed": config.trainer.seed,
         "loss.z_loss_weight": loss.z_loss_weight,
         "loss.label_smoothing": loss.label_smoothing,
+        **({"model.lora": dataclasses.asdict(config.model.lora)} if config.model.lora.rank else {}),
     }
 
 
