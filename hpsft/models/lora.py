@@ -14,9 +14,7 @@ Two outputs a LoRA run can be exported to (end of run and `hpsft export`):
   `peft.PeftModel.from_pretrained(base_model, folder)` loads.
 """
 
-import os
-import shutil
-import tempfile
+import copy
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -24,7 +22,7 @@ import torch
 from torch import nn
 
 from hpsft.errors import UserInputError
-from hpsft.files import umask_mode
+from hpsft.models.hf_export import written_whole
 
 ADAPTER = "default"  # PEFT's adapter name inside the model; saved files drop it
 BASE_LAYER = ".base_layer."
@@ -149,21 +147,13 @@ def write_adapter_folder(lm: nn.Module, adapter: dict[str, torch.Tensor], base_m
     saved = {f"base_model.model.{name}": tensor.contiguous() for name, tensor in saved.items()}
     if len(saved) != len(adapter):
         raise RuntimeError(f"PEFT kept {len(saved)} of the {len(adapter)} adapter tensors")
-    config = lm.peft_config[ADAPTER]
+    config = copy.copy(lm.peft_config[ADAPTER])  # the live model's stays as it is
     config.base_model_name_or_path = str(Path(base_model_path).resolve())
     config.inference_mode = True
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    with written_whole(out_dir) as tmp:
         config.save_pretrained(tmp)
         save_file(saved, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(umask_mode(0o777))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def describe(lm: nn.Module) -> str:
