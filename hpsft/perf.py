@@ -8,13 +8,19 @@ from typing import Callable
 import torch
 
 
-def flop_counts(lm) -> tuple[int, int]:
+def flop_counts(lm) -> tuple[float, float]:
     """(body, head) parameter counts: the matmul weights every token goes through, and the
-    LM head. The input embedding is a lookup, not a matmul (unless tied to the head)."""
+    LM head. The input embedding is a lookup, not a matmul (unless tied to the head).
+    A frozen weight (the base model under LoRA) counts 2/3: it needs the forward and the
+    gradient of its input (4 FLOPs per token), not its own gradient (the other 2 of 6)."""
     head = lm.get_output_embeddings().weight
     skip = {id(lm.get_input_embeddings().weight), id(head)}
-    body = sum(numel(p) for p in lm.parameters() if id(p) not in skip)
-    return body, numel(head)
+    body = sum(numel(p) * trained_share(p) for p in lm.parameters() if id(p) not in skip)
+    return body, numel(head) * trained_share(head)
+
+
+def trained_share(param) -> float:
+    return 1.0 if param.requires_grad else 2.0 / 3.0
 
 
 def numel(param) -> int:

@@ -40,6 +40,12 @@ def test_config_is_frozen():
         ("trainer.overwrite_output_dir=true", "trainer.overwrite_output_dir=true needs trainer.resume=disable"),
         ("trainer.keep_last_checkpoints=-1", "trainer.keep_last_checkpoints must be >= 0, got -1"),
         ("trainer.max_skipped_steps=0", "trainer.max_skipped_steps must be > 0, got 0"),
+        ("model.lora.rank=-4", "model.lora.rank must be >= 0, got -4"),
+        ("model.lora.alpha=0", "model.lora.alpha must be > 0, got 0.0"),
+        ("model.lora.dropout=1.0", "model.lora.dropout must be in [0, 1), got 1.0"),
+        ("model.lora.target_modules=[]", "model.lora.target_modules is empty"),
+        ("model.lora.target_modules=[all-linear,q_proj]", "all-linear already names every linear layer"),
+        ("model.lora.r=8", "unknown config key 'model.lora.r'; valid keys here: alpha, dropout, rank, target_modules"),
     ],
 )
 def test_bad_config_names_the_key(override, message):

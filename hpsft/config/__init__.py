@@ -4,6 +4,7 @@ from hpsft.config.load import ConfigError, load_config, masked_dict, to_yaml
 from hpsft.config.schema import (
     DataConfig,
     EngineConfig,
+    LoraConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -15,6 +16,6 @@ from hpsft.config.schema import (
 
 __all__ = [
     "ConfigError", "load_config", "masked_dict", "to_yaml",
-    "DataConfig", "EngineConfig", "LossConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
+    "DataConfig", "EngineConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "RayConfig", "SFTConfig", "TrainerConfig",
     "WandbConfig",
 ]

@@ -4,6 +4,7 @@ Choice-valued fields are validated in `__post_init__` so a bad value fails at st
 with the valid choices named.
 """
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, field
@@ -22,6 +23,31 @@ def check_positive(section: str, name: str, value, allow_zero: bool = False) -> 
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (PEFT) on the model's linear layers; rank 0 trains the whole model."""
+
+    rank: int = 0  # r of the low-rank update B @ A; 0: no LoRA
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input (docs/lora.md: resume with dropout)
+    # Module names (or name suffixes) to adapt, as PEFT takes them; all-linear: every linear
+    # layer of the decoder (never the LM head, which hpsft's fused loss reads as a weight).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+    def __post_init__(self):
+        check_positive("model.lora", "rank", self.rank, allow_zero=True)
+        check_positive("model.lora", "alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("model.lora.target_modules is empty: name the layers to adapt, or keep [all-linear]")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ValueError(f"model.lora.target_modules={list(self.target_modules)}: all-linear already names "
+                             "every linear layer; give it alone or list module names without it")
+        if self.rank and importlib.util.find_spec("peft") is None:
+            raise ValueError("model.lora.rank > 0 needs PEFT, which is not installed: pip install hpsft[lora]")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = ".cache/models/smollm2-135m-4l"
     # auto: flash_attention_2 on GPU with flash-attn installed, else hpsft_varlen (exact
@@ -29,6 +55,7 @@ class ModelConfig:
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         check_choice("model", "attn_implementation", self.attn_implementation,

@@ -61,7 +61,45 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
         if param.requires_grad:
             ndim = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partitioned parameter is 1-D
             (decay if ndim >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group is left out: DeepSpeed's ZeRO optimizer drops it, and the LR scheduler,
+    # built on the torch optimizer's groups, would then count one group too many (LoRA adapters
+    # are all 2-D: no group without decay).
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def frozen_names(module: nn.Module) -> set[str]:
+    """Every name under which a frozen parameter appears in the state dict (a tied one under each)."""
+    return {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+
+@contextlib.contextmanager
+def frozen_parameters_left_out(module: nn.Module):
+    """While a checkpoint is saved, the module's state dict holds no frozen parameter: they are
+    the base model's, read from model.path again on resume (the run fingerprint checks it
+    is the same), and a LoRA checkpoint is then the adapters and their optimizer state only.
+    DeepSpeed's own exclude_frozen_parameters misses a tied weight's second name (e.g. a frozen
+    lm_head.weight tied to the embedding), which would store the whole embedding."""
+    frozen = frozen_names(module)
+
+    def drop_frozen(_module, state_dict, prefix, _local_metadata):
+        for name in frozen:
+            state_dict.pop(prefix + name, None)
+
+    handle = module.register_state_dict_post_hook(drop_frozen)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def load_trained_state(src: dict, dst: nn.Module) -> None:
+    """Load a checkpoint's module state: every state entry but the frozen parameters, strictly."""
+    result = dst.load_state_dict(src, strict=False)
+    missing = set(result.missing_keys) - frozen_names(dst)
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint does not hold this model's trained state: missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(result.unexpected_keys)[:5]}")
 
 
 def detached(outputs: dict) -> dict:
@@ -169,7 +207,9 @@ class DeepSpeedEngine(TrainEngine):
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         # ds_to_universal requires this key (model-parallel slicing patterns: none here).
-        self.engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: {}}, save_latest=False)
+        with frozen_parameters_left_out(self.engine.module):
+            self.engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: {}},
+                                        save_latest=False, exclude_frozen_parameters=True)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
         """Load a checkpoint written with any data-parallel size. ZeRO 1-3 keep one optimizer
@@ -182,7 +222,7 @@ class DeepSpeedEngine(TrainEngine):
             self.load_resharded_checkpoint(root, tag, saved_dp_size)
 
     def load_native_checkpoint(self, root: str, tag: str) -> None:
-        path, _ = self.engine.load_checkpoint(root, tag=tag)
+        path, _ = self.engine.load_checkpoint(root, tag=tag, custom_load_fn=load_trained_state)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
 

@@ -7,6 +7,7 @@ never the whole model, so the caller may gather the tensors one by one (ZeRO-3) 
 lazily from a checkpoint (hpsft.export).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -76,16 +77,23 @@ def write_safetensors_shards(weights: Iterable[tuple[str, torch.Tensor]], folder
 def write_hf_folder(config, generation_config, weights: Iterator[tuple[str, torch.Tensor]], tokenizer,
                     out_dir: Path, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> None:
     """Save config, weights and tokenizer (with its chat template) so that
-    `from_pretrained(out_dir)` loads them; a crash mid-write leaves no complete-looking folder
-    (everything goes to a temporary sibling renamed at the end)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+    `from_pretrained(out_dir)` loads them, written whole or not at all (see written_whole)."""
+    with written_whole(out_dir) as tmp:
         config.save_pretrained(tmp)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         write_safetensors_shards(weights, tmp, max_shard_mb)
         tokenizer.save_pretrained(tmp)
+
+
+@contextlib.contextmanager
+def written_whole(out_dir: Path):
+    """A temporary sibling folder to write into, renamed to `out_dir` (replacing it) once the
+    block has succeeded: a crash mid-write leaves no complete-looking folder."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        yield tmp
         tmp.chmod(umask_mode(0o777))  # mkdtemp's 0700 would ignore the user's umask
         if out_dir.exists():
             shutil.rmtree(out_dir)

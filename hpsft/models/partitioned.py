@@ -20,15 +20,15 @@ from hpsft.errors import UserInputError
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path, reader: str = "with engine.zero_stage=3") -> list[Path]:
     index = folder / INDEX_FILE
     if index.is_file():
         return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
     raise UserInputError(
-        f"model.path={folder}: no safetensors weights (model.safetensors or {INDEX_FILE}); with "
-        "engine.zero_stage=3 hpsft loads only safetensors: convert the folder, e.g. with save_pretrained"
+        f"model.path={folder}: no safetensors weights (model.safetensors or {INDEX_FILE}); {reader} hpsft "
+        "loads only safetensors: convert the folder, e.g. with save_pretrained"
     )
 
 

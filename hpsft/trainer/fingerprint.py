@@ -13,8 +13,10 @@ tokenizer's vocabulary size, the sha256 of every training file's content (not it
 a moved file is the same data; a custom dataset's path that is no file: the path), the
 mixture weights (when the training files have weights) and the custom dataset class (its
 file's sha256 and name, when one is used), the effective chat template and the tokenization
-options, the global batch size, shuffling and the seed, and the loss terms that change the
-objective. Source names are not: they name metrics only.
+options, the global batch size, shuffling and the seed, the loss terms that change the
+objective, and the LoRA settings of a LoRA run (`model.lora`: which parameters exist and are
+trained; absent without LoRA, so full fine-tuning checkpoints of earlier versions keep their
+fingerprint). Source names are not: they name metrics only.
 
 What is not, because changing it on resume is harmless or meant: logging, save cadence,
 keep_last_checkpoints, output and export options, total_steps/total_epochs (extending a
@@ -23,6 +25,7 @@ non-finite steps), and how the global batch is split (data-parallel size, micro-
 token budget, ZeRO stage): a resume with another data-parallel size is supported.
 """
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -89,6 +92,7 @@ def run_fingerprint(config, tokenizer) -> dict:
         "trainer.seed": config.trainer.seed,
         "loss.z_loss_weight": loss.z_loss_weight,
         "loss.label_smoothing": loss.label_smoothing,
+        **({"model.lora": dataclasses.asdict(config.model.lora)} if config.model.lora.rank else {}),
     }
 
 

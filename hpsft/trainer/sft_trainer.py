@@ -144,7 +144,7 @@ class SFTTrainer:
         """TrainingWorker's constructor arguments, alike in this process and in a Ray actor."""
         config = self.config
         return (config.model, config.loss, config.engine, config.optim, config.data, self.total_steps,
-                config.trainer.peak_flops_per_device)
+                config.trainer.peak_flops_per_device, config.trainer.seed)
 
     def build_worker(self):
         worker = TrainingWorker(*self.worker_args())

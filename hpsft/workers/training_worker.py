@@ -19,6 +19,7 @@ from hpsft.engine import DeepSpeedEngine
 from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
+from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
 from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
 from hpsft.profiling import StepProfiler
 from hpsft.progress import progress_bar
@@ -64,8 +65,9 @@ def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
 
 class TrainingWorker:
     def __init__(self, model_config, loss_config, engine_config, optim_config, data_config, total_steps: int,
-                 peak_flops: float | None = None):
+                 peak_flops: float | None = None, seed: int = 0):
         self.model_config = model_config
+        self.seed = seed  # of the LoRA adapters' initialisation
         self.loss_config = loss_config
         self.engine_config = engine_config
         self.data_config = data_config
@@ -84,7 +86,14 @@ class TrainingWorker:
         check_supported(lm, lm.config._attn_implementation)
         if not zero3:
             verify_packed_training(lm)  # in fp32, before DeepSpeed casts the weights for bf16
-        self.body_params, self.head_params = flop_counts(lm)
+        if cfg.lora.rank:
+            # After the packed-path check of the base model: the adapters start at B = 0, so the
+            # model computes the same; under ZeRO-3 the base stays partitioned and DeepSpeed
+            # partitions the new adapter parameters (broadcast from rank 0) when it wraps the model.
+            add_lora(lm, cfg.lora, self.seed)
+            if distributed.rank() == 0:
+                print(f"hpsft: {describe(lm)}", flush=True)
+        self.body_params, self.head_params = flop_counts(lm)  # frozen weights count less (no weight gradient)
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
         self.engine.initialize(
@@ -217,14 +226,20 @@ class TrainingWorker:
                   progress: bool = False) -> None:
         """Write the model + tokenizer as a Hugging Face folder: rank 0 writes safetensors shards
         as the engine hands it one whole tensor at a time (gathered under ZeRO-3), with a
-        progress bar if `progress`; a collective, every rank calls it."""
+        progress bar if `progress`; a collective, every rank calls it. A LoRA model is written
+        merged, and its adapter alone (PEFT's format) goes to <out_dir>/adapter."""
         lm = self.engine.module.lm
+        lora = self.model_config.lora.rank > 0
         names = weight_names(lm)
         tensors = self.engine.gathered_tensors(names)
         if distributed.rank() == 0:
             tensors = progress_bar(progress, iterable=tensors, total=len(names), desc="export", unit="tensor")
-            write_hf_folder(lm.config, lm.generation_config if lm.can_generate() else None, tensors, tokenizer,
-                            Path(out_dir), max_shard_mb)
+            write_hf_folder(lm.config, lm.generation_config if lm.can_generate() else None,
+                            merged_weights(lm, tensors) if lora else tensors, tokenizer, Path(out_dir), max_shard_mb)
         else:
             for _ in tensors:  # take part in every gather
                 pass
+        if lora:
+            adapter = dict(self.engine.gathered_tensors(adapter_names(lm)))  # every rank takes part
+            if distributed.rank() == 0:
+                write_adapter_folder(lm, adapter, self.model_config.path, tokenizer, Path(out_dir) / "adapter")

@@ -1,0 +1,163 @@
+"""LoRA adapters (PEFT) injected into a Hugging Face causal LM, and the model they make.
+
+The adapters go into the model itself (`peft.inject_adapter_in_model`), not around it: the
+model stays the transformers class hpsft packs and exports, its decoder and LM head are where
+they were, and its parameter names are the Hugging Face ones with PEFT's layer in between
+(`...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`). PEFT marks only the
+adapters trainable. Only `nn.Linear` layers of the decoder may be adapted: hpsft's fused loss
+reads the LM head's weight as a tensor, so an adapter on it would be silently skipped.
+
+Two outputs a LoRA run can be exported to (end of run and `hpsft export`):
+- the merged model: each adapted weight W replaced by W + scaling * B @ A, written under the
+  base model's own names, as a plain Hugging Face folder;
+- the adapter alone: PEFT's `adapter_config.json` + `adapter_model.safetensors`, which
+  `peft.PeftModel.from_pretrained(base_model, folder)` loads.
+"""
+
+import copy
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from hpsft.errors import UserInputError
+from hpsft.models.hf_export import written_whole
+
+ADAPTER = "default"  # PEFT's adapter name inside the model; saved files drop it
+BASE_LAYER = ".base_layer."
+INSTALL_HINT = "pip install hpsft[lora]"
+
+
+def import_peft():
+    try:
+        import peft
+    except ImportError:
+        raise UserInputError(f"LoRA (model.lora.rank > 0) needs PEFT, which is not installed: {INSTALL_HINT}") from None
+    return peft
+
+
+def peft_lora_config(lora_config):
+    """PEFT's LoraConfig for hpsft's `model.lora` section."""
+    peft = import_peft()
+    targets = lora_config.target_modules
+    return peft.LoraConfig(
+        r=lora_config.rank, lora_alpha=lora_config.alpha, lora_dropout=lora_config.dropout, bias="none",
+        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+    )
+
+
+def add_lora(lm: nn.Module, lora_config, seed: int) -> nn.Module:
+    """Inject the adapters into `lm` in place (B = 0: the model computes what it did) and freeze
+    everything else. The adapters' random A matrices come from `seed`, whatever the process
+    drew before (a Ray actor and an SPMD rank build the same adapters)."""
+    peft = import_peft()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            peft.inject_adapter_in_model(peft_lora_config(lora_config), lm, adapter_name=ADAPTER)
+        except ValueError as err:  # e.g. PEFT's "Target modules {...} not found in the base model"
+            raise UserInputError(f"model.lora.target_modules={list(lora_config.target_modules)}: {err}") from None
+    check_adapted_layers(lm, lora_config)
+    return lm
+
+
+def check_adapted_layers(lm: nn.Module, lora_config) -> None:
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    head = lm.get_output_embeddings()
+    for name, module in lm.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if module is head:
+            raise UserInputError(
+                f"model.lora.target_modules={list(lora_config.target_modules)} adapts the LM head ({name}): hpsft's "
+                "fused loss reads the head's weight directly and would not see the adapter; leave it out"
+            )
+        if type(module) is not LoraLinear:
+            raise UserInputError(
+                f"model.lora.target_modules={list(lora_config.target_modules)} adapts {name}, a "
+                f"{type(module.get_base_layer()).__name__}: hpsft trains and merges adapters on nn.Linear layers "
+                "only; name linear layers"
+            )
+
+
+def lora_layers(lm: nn.Module) -> dict:
+    """Module name -> PEFT LoRA layer, for every adapted layer."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {name: module for name, module in lm.named_modules() if isinstance(module, BaseTunerLayer)}
+
+
+def adapter_names(lm: nn.Module) -> list[str]:
+    """The adapters' parameter names in `lm` (the trainable ones)."""
+    return [name for name, param in lm.named_parameters() if param.requires_grad]
+
+
+def base_name(name: str) -> str:
+    """The base model's name of a parameter of an adapted model (`x.base_layer.weight` -> `x.weight`)."""
+    return name.replace(BASE_LAYER, ".")
+
+
+def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's (name, tensor) pairs with every adapter folded in: W + scaling * B @ A
+    (transposed for fan-in-fan-out layers), computed in fp32 and stored in W's dtype.
+
+    `weights` are the adapted model's tensors in its own names and order (`weight_names(lm)`):
+    a layer's base weight and its A and B arrive together, so one layer is held at a time.
+    """
+    layers = lora_layers(lm)
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if BASE_LAYER in name:
+            prefix, _, rest = name.partition(BASE_LAYER)
+            if rest != "weight":  # the bias: unchanged by LoRA
+                yield base_name(name), tensor
+                continue
+            part = "W"
+        elif ".lora_A." in name or ".lora_B." in name:
+            prefix, _, rest = name.rpartition(".lora_")
+            part = rest[0]  # A or B
+        else:
+            yield name, tensor
+            continue
+        parts = held.setdefault(prefix, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            layer = layers[prefix]
+            del held[prefix]
+            delta = parts["B"].float() @ parts["A"].float()
+            if layer.fan_in_fan_out:
+                delta = delta.T
+            yield f"{prefix}.weight", (parts["W"].float() + layer.scaling[ADAPTER] * delta).to(parts["W"].dtype)
+    if held:
+        raise RuntimeError(f"adapted layers without all of base weight, A and B: {sorted(held)}")
+
+
+def write_adapter_folder(lm: nn.Module, adapter: dict[str, torch.Tensor], base_model_path: str, tokenizer,
+                         out_dir: Path) -> None:
+    """PEFT's adapter folder (adapter_config.json, adapter_model.safetensors) and the tokenizer,
+    as `PeftModel.save_pretrained` writes it; `adapter` maps `adapter_names(lm)` to tensors."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    # PEFT's own renaming (adapter name dropped), under the prefix a PeftModel's keys carry.
+    saved = get_peft_model_state_dict(lm, state_dict=adapter, adapter_name=ADAPTER)
+    saved = {f"base_model.model.{name}": tensor.contiguous() for name, tensor in saved.items()}
+    if len(saved) != len(adapter):
+        raise RuntimeError(f"PEFT kept {len(saved)} of the {len(adapter)} adapter tensors")
+    config = copy.copy(lm.peft_config[ADAPTER])  # the live model's stays as it is
+    config.base_model_name_or_path = str(Path(base_model_path).resolve())
+    config.inference_mode = True
+    with written_whole(out_dir) as tmp:
+        config.save_pretrained(tmp)
+        save_file(saved, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+
+
+def describe(lm: nn.Module) -> str:
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in lm.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in lm.parameters())
+    return f"LoRA on {len(lora_layers(lm))} layers: {trainable:,} trainable parameters of {total:,}"
+
