@@ -12,6 +12,7 @@ and a group lost while being rebuilt uses up a restart too.
 """
 
 from hpsft.config import SFTConfig
+from hpsft.errors import UserInputError
 from hpsft.ray.data_parallel import DataParallelWorker
 from hpsft.ray.resource_pool import RayResourcePool
 from hpsft.ray.sampler import RankInterleavedSampler
@@ -31,8 +32,11 @@ class RaySFTTrainer(SFTTrainer):
                 self.close()
             raise
 
-    def place_process(self) -> tuple[int, int, int]:
-        return 0, 1, self.config.ray.nnodes * self.config.ray.n_workers_per_node
+    def place_process(self) -> tuple[int, int, int, int]:
+        if self.config.engine.sequence_parallel_size > 1:
+            raise UserInputError("engine.sequence_parallel_size > 1 runs on the SPMD path only (torchrun, the "
+                                 "deepspeed launcher, srun) for now: docs/sequence_parallel.md")
+        return 0, 0, self.config.ray.nnodes * self.config.ray.n_workers_per_node, 1
 
     def launch_description(self) -> str:
         ray_cfg = self.config.ray

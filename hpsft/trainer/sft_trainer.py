@@ -64,7 +64,7 @@ class SFTTrainer:
 
     def __init__(self, config: SFTConfig):
         self.config = config
-        self.rank, self.world_size, self.dp_size = self.place_process()
+        self.rank, self.dp_rank, self.dp_size, self.loading_ranks = self.place_process()
         if self.rank == 0:
             print(f"hpsft: {self.launch_description()}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
@@ -76,8 +76,9 @@ class SFTTrainer:
                 f"data.train_batch_size={data.train_batch_size} is not divisible by the "
                 f"{self.dp_size} data-parallel ranks"
             )
-        # Sequences this process loads per step (its share under SPMD; all of them on a Ray driver).
-        self.batch_per_rank = data.train_batch_size // self.world_size
+        # Sequences this process loads per step (its data-parallel share under SPMD, the same for
+        # every sequence-parallel rank of a group; all of them on a Ray driver).
+        self.batch_per_rank = data.train_batch_size // self.loading_ranks
 
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         if data.chat_template is not None:  # also what the exported tokenizer carries
@@ -111,10 +112,14 @@ class SFTTrainer:
             self.load_checkpoint(resume_from)
         self.tracker = Tracker(config.trainer.loggers, self.run_dir) if self.rank == 0 else None
 
-    def place_process(self) -> tuple[int, int, int]:
-        """This process's rank and world size in torch.distributed, and the data-parallel size."""
-        distributed.init_distributed(self.config.engine.dist_backend, self.config.engine.collective_timeout_s)
-        return distributed.rank(), distributed.world_size(), distributed.world_size()
+    def place_process(self) -> tuple[int, int, int, int]:
+        """This process's rank in torch.distributed, its data-parallel rank, the data-parallel
+        size (world / engine.sequence_parallel_size), and how many processes load a share of
+        each global batch (every data-parallel rank here)."""
+        engine = self.config.engine
+        distributed.init_distributed(engine.dist_backend, engine.collective_timeout_s)
+        dp_rank, dp_size, _ = distributed.sequence_parallel_layout(engine.sequence_parallel_size)
+        return distributed.rank(), dp_rank, dp_size, dp_size
 
     def launch_description(self) -> str:
         return distributed.launch_description()
@@ -132,7 +137,7 @@ class SFTTrainer:
 
     def build_sampler(self):
         return PositionedDistributedSampler(
-            self.train_dataset, num_replicas=self.world_size, rank=self.rank,
+            self.train_dataset, num_replicas=self.loading_ranks, rank=self.dp_rank,
             shuffle=self.config.data.shuffle, seed=self.config.trainer.seed,
         )
 
@@ -252,8 +257,9 @@ class SFTTrainer:
     # ---- loop --------------------------------------------------------------------------
 
     def validate(self) -> float:
-        """Token-mean NLL over the whole validation set (every sequence exactly once)."""
-        indices = list(range(self.rank, len(self.val_dataset), self.world_size))
+        """Token-mean NLL over the whole validation set (every sequence exactly once; with
+        sequence parallelism each SP rank adds its slices' share of it)."""
+        indices = list(range(self.dp_rank, len(self.val_dataset), self.loading_ranks))
         chunks = [indices[i:i + self.batch_per_rank] for i in range(0, len(indices), self.batch_per_rank)]
         n_chunks = distributed.all_reduce_max(len(chunks))
         nll_sum = loss_tokens = 0.0

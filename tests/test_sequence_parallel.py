@@ -1,0 +1,134 @@
+"""Ulysses sequence parallelism (engine.sequence_parallel_size, docs/sequence_parallel.md).
+
+How a packed row is cut (one process), the head-count refusal, and two optimizer steps of
+real DeepSpeed engines over 2 gloo ranks laid out as DP=1 x SP=2 and DP=2 x SP=1, against
+one process without DeepSpeed on the same packed rows, on a tiny random GQA Llama.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels
+from hpsft.data.sequence_split import real_tokens, split_row
+from hpsft.errors import UserInputError
+from hpsft.models.ulysses_attention import check_heads
+from tests.conftest import REPO, run_cli
+
+SCRIPT = str(REPO / "tests" / "dist_scripts" / "sequence_parallel_steps.py")
+VOCAB = 512
+
+
+def tiny_llama(folder, heads: int = 4, kv_heads: int = 2) -> str:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def sequence(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    loss_mask = torch.ones(n, dtype=torch.bool)
+    loss_mask[: n // 3] = False  # a prompt part, unsupervised
+    return {"input_ids": torch.randint(0, VOCAB, (n,), generator=g), "loss_mask": loss_mask}
+
+
+def row_of(lengths: list[int]) -> dict:
+    return packed_row(collate_jagged([{**sequence(n, i), "index": i} for i, n in enumerate(lengths)]))
+
+
+@pytest.mark.parametrize("lengths, sp, cut", [
+    ([40, 9, 7], 2, "inside the 40-token sequence, longer than half the row"),
+    ([12, 12], 2, "at the boundary of the two sequences"),
+    ([13, 1], 2, "around a sequence shorter than SP, after padding to 14"),
+    ([1, 6, 4], 3, "inside the second sequence, the row padded from 11 to 12"),
+])
+def test_a_row_cut_across_the_group_keeps_every_label_and_position(lengths, sp, cut):
+    row = row_of(lengths)
+    slices = [split_row(row, r, sp) for r in range(sp)]
+    total = sum(lengths)
+    padded = -(-total // sp) * sp
+    labels = torch.cat([s["labels"] for s in slices])
+    # The slices put back together are the row, its labels taken before the cut, padded with
+    # unsupervised tokens that continue the last sequence's positions.
+    assert torch.equal(labels[:total], shifted_labels(row["input_ids"][0], row["loss_mask"], row["offsets"]))
+    assert (labels[total:] == IGNORE_INDEX).all() and labels.numel() == padded
+    assert torch.equal(torch.cat([s["input_ids"][0] for s in slices])[:total], row["input_ids"][0])
+    positions = torch.cat([s["position_ids"][0] for s in slices])
+    assert torch.equal(positions[:total], row["position_ids"][0])
+    assert torch.equal(positions[total:], row["position_ids"][0, -1] + torch.arange(1, padded - total + 1))
+    for r, s in enumerate(slices):
+        assert s["slice_start"] == r * padded // sp and s["input_ids"].shape == (1, padded // sp)
+        assert s["offsets"].tolist() == [*row["offsets"][:-1].tolist(), padded]  # the whole row's, for attention
+    assert sum(real_tokens(total, r, sp) for r in range(sp)) == total
+    # A slice's last position predicts the token that opens the next slice (within a sequence).
+    cut_at = padded // sp
+    inside = cut_at not in row["offsets"].tolist()
+    assert (slices[0]["labels"][-1] == row["input_ids"][0, cut_at]) == (inside and bool(row["loss_mask"][cut_at]))
+
+
+def test_a_head_count_not_divisible_by_sp_is_refused_with_the_numbers():
+    config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)  # SmolLM2-135M's heads
+    with pytest.raises(UserInputError, match=r"sequence_parallel_size=2 does not divide the model's 9 attention "
+                                             r"heads \(3 key/value heads\).*\[1, 3, 9\]"):
+        check_heads(config, 2)
+    check_heads(config, 3)
+
+
+def one_process_step(model_path: str, samples: list[dict], rows: list[list[int]]) -> tuple[float, dict]:
+    """(loss, gradients) of one step on whole packed rows, without DeepSpeed or SP."""
+    from hpsft.models import PackedCausalLM, load_causal_lm
+
+    model = PackedCausalLM(load_causal_lm(model_path)).train()
+    packed = [packed_row(collate_jagged([{**samples[i], "index": i} for i in row])) for row in rows]
+    total = sum(int(shifted_labels(r["input_ids"][0], r["loss_mask"], r["offsets"]).ne(IGNORE_INDEX).sum())
+                for r in packed)
+    loss = 0.0
+    for r in packed:
+        out = model(**r)
+        (out["loss"] / total).backward()
+        loss += float(out["nll"]) / total
+    return loss, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def rel_error(grads: dict, reference: dict) -> float:
+    assert grads.keys() == reference.keys()
+    diff = sum(float((grads[k].double() - reference[k].double()).square().sum()) for k in grads)
+    return (diff / sum(float(reference[k].double().square().sum()) for k in grads)) ** 0.5
+
+
+@pytest.mark.slow
+def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
+    """2 ranks: DP=1 x SP=2 (ZeRO-2, ZeRO-3; GQA with 2 key/value heads, and with 1 repeated
+    to the 4 query heads) vs DP=2 x SP=1 on the same global batches, two steps each; step 1
+    also against one process on the same packed rows."""
+    gqa = tiny_llama(tmp_path / "gqa")
+    one_kv = tiny_llama(tmp_path / "one_kv", kv_heads=1)
+    # Step 1's rows: cut inside a sequence longer than half its row (and padded from 57 to 58),
+    # at a sequence boundary, around a 1-token sequence, and inside a short one.
+    lengths = [40, 9, 8, 12, 12, 13, 1, 6, 11, 30, 7, 5, 21, 16]
+    samples = [sequence(n, seed) for seed, n in enumerate(lengths)]
+    steps = [[[0, 1, 2], [3, 4], [5, 6], [7, 8]], [[9, 10], [11, 12], [13], [0, 6]]]
+    layouts = [{"name": "zero2 sp2", "model": gqa, "zero_stage": 2, "sp": 2},
+               {"name": "zero3 sp2", "model": gqa, "zero_stage": 3, "sp": 2},
+               {"name": "zero2 dp2", "model": gqa, "zero_stage": 2, "sp": 1},
+               {"name": "one kv head, zero2 sp2", "model": one_kv, "zero_stage": 2, "sp": 2}]
+    torch.save({"sequences": samples, "steps": steps, "layouts": layouts}, tmp_path / "spec.pt")
+    proc = run_cli(None, [str(tmp_path / "spec.pt"), str(tmp_path / "out.pt")], nproc=2, script=SCRIPT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    runs = torch.load(tmp_path / "out.pt")
+    references = {path: one_process_step(path, samples, steps[0]) for path in (gqa, one_kv)}
+    figures = {}  # all measured first: a failure shows every one
+    for layout in layouts:
+        loss, grads = references[layout["model"]]
+        run = runs[layout["name"]]
+        figures[f"{layout['name']}: step-1 loss vs one process"] = abs(run["losses"][0] - loss) / loss
+        figures[f"{layout['name']}: step-1 grads vs one process"] = rel_error(run["grads"], grads)
+    for name in ("zero2 sp2", "zero3 sp2"):
+        figures[f"{name}: step-2 loss vs zero2 dp2"] = abs(runs[name]["losses"][1] - runs["zero2 dp2"]["losses"][1])
+    shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
+    assert all(value < 1e-5 for value in figures.values()), shown
+    # The second step trained on updated weights: the layouts agree on more than the start.
+    assert abs(runs["zero2 dp2"]["losses"][1] - runs["zero2 dp2"]["losses"][0]) > 1e-3
