@@ -1,9 +1,12 @@
 """Ulysses sequence parallelism (engine.sequence_parallel_size, docs/sequence_parallel.md).
 
-How a packed row is cut (one process), the head-count refusal, and two optimizer steps of
-real DeepSpeed engines over 2 gloo ranks laid out as DP=1 x SP=2 and DP=2 x SP=1, against
-one process without DeepSpeed on the same packed rows, on a tiny random GQA Llama.
+How a packed row is cut (one process), the head-count refusal, two optimizer steps of
+real DeepSpeed engines over 2 gloo ranks laid out as DP=1 x SP=2 and DP=2 x SP=1 against
+one process without DeepSpeed on the same packed rows, and the real CLI trained with SP=2
+and resumed with SP=1, on a tiny random GQA Llama.
 """
+
+import shutil
 
 import pytest
 import torch
@@ -13,15 +16,15 @@ from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_l
 from hpsft.data.sequence_split import real_tokens, split_row
 from hpsft.errors import UserInputError
 from hpsft.models.ulysses_attention import check_heads
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "sequence_parallel_steps.py")
 VOCAB = 512
 
 
-def tiny_llama(folder, heads: int = 4, kv_heads: int = 2) -> str:
+def tiny_llama(folder, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB) -> str:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
                          max_position_embeddings=256, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -129,6 +132,44 @@ def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
     for name in ("zero2 sp2", "zero3 sp2"):
         figures[f"{name}: step-2 loss vs zero2 dp2"] = abs(runs[name]["losses"][1] - runs["zero2 dp2"]["losses"][1])
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
+    print(shown)
     assert all(value < 1e-5 for value in figures.values()), shown
     # The second step trained on updated weights: the layouts agree on more than the start.
     assert abs(runs["zero2 dp2"]["losses"][1] - runs["zero2 dp2"]["losses"][0]) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_cli_trains_with_sp2_and_resumes_with_sp1(tmp_path, model_path, chat_rows):
+    """A DP=1 x SP=2 run of 2 steps (token-budget rows, validation, a checkpoint per step);
+    its step-1 checkpoint resumed by one process (SP=1, the ZeRO shards of 2 ranks
+    converted) trains step 2 to the same loss, token counts and validation loss."""
+    model = tiny_llama(tmp_path / "model", vocab=49152)  # SmolLM2's tokenizer, a 4-head GQA model
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{model_path}/{name}", tmp_path / "model" / name)
+    train = write_parquet([{"messages": c} for c in chat_rows[:16]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
+
+    def overrides(out, **extra):
+        return base_overrides(model, train, val, out, **{
+            "data.max_tokens_per_micro_batch": 256, "trainer.save_every": 1, "trainer.export_hf": "false",
+            "trainer.peak_flops_per_device": 1e12, **extra})
+
+    sp2 = tmp_path / "sp2"
+    proc = run_cli("hpsft.train", overrides(sp2, **{"engine.sequence_parallel_size": 2}), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    resumed = tmp_path / "resumed"
+    checkpoint = sp2 / "checkpoints" / "global_step_1"
+    proc = run_cli("hpsft.train", overrides(resumed, **{"trainer.resume": checkpoint}))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert f"resumed from {checkpoint} at step 1 (written by a spmd run with 1 data-parallel ranks, now 1)" \
+        in proc.stdout
+    straight, after = read_metrics(sp2)[-1], read_metrics(resumed)[-1]
+    assert straight["step"] == after["step"] == 2
+    # Every rank's shares (loss tokens, real tokens of its slices) add up to the whole batch's.
+    for key in ("train/tokens", "train/loss_tokens"):
+        assert straight[key] == after[key]
+    assert straight["perf/padding_efficiency"] <= after["perf/padding_efficiency"] == 1.0  # SP pads rows to even
+    print({key: (straight[key], after[key]) for key in ("train/loss", "val/loss", "train/tokens",
+                                                         "train/loss_tokens", "perf/padding_efficiency")})
+    for key in ("train/loss", "val/loss"):
+        assert abs(straight[key] - after[key]) <= 1e-5 * after[key], (key, straight[key], after[key])
