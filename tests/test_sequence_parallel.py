@@ -7,6 +7,7 @@ and resumed with SP=1, on a tiny random GQA Llama.
 """
 
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -139,10 +140,11 @@ def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cli_trains_with_sp2_and_resumes_with_sp1(tmp_path, model_path, chat_rows):
+def test_the_cli_trains_with_sp2_and_resumes_with_sp1_and_on_ray(tmp_path, model_path, chat_rows):
     """A DP=1 x SP=2 run of 2 steps (token-budget rows, validation, a checkpoint per step);
     its step-1 checkpoint resumed by one process (SP=1, the ZeRO shards of 2 ranks
-    converted) trains step 2 to the same loss, token counts and validation loss."""
+    converted) and by a Ray driver over 2 workers (SP=2) trains step 2 to the same loss,
+    token counts and validation loss."""
     model = tiny_llama(tmp_path / "model", vocab=49152)  # SmolLM2's tokenizer, a 4-head GQA model
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(f"{model_path}/{name}", tmp_path / "model" / name)
@@ -163,13 +165,24 @@ def test_the_cli_trains_with_sp2_and_resumes_with_sp1(tmp_path, model_path, chat
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert f"resumed from {checkpoint} at step 1 (written by a spmd run with 1 data-parallel ranks, now 1)" \
         in proc.stdout
-    straight, after = read_metrics(sp2)[-1], read_metrics(resumed)[-1]
-    assert straight["step"] == after["step"] == 2
-    # Every rank's shares (loss tokens, real tokens of its slices) add up to the whole batch's.
-    for key in ("train/tokens", "train/loss_tokens"):
-        assert straight[key] == after[key]
-    assert straight["perf/padding_efficiency"] <= after["perf/padding_efficiency"] == 1.0  # SP pads rows to even
-    print({key: (straight[key], after[key]) for key in ("train/loss", "val/loss", "train/tokens",
-                                                         "train/loss_tokens", "perf/padding_efficiency")})
-    for key in ("train/loss", "val/loss"):
-        assert abs(straight[key] - after[key]) <= 1e-5 * after[key], (key, straight[key], after[key])
+    on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
+    try:
+        proc = run_cli("hpsft.train_ray", overrides(on_ray, **{
+            "trainer.resume": checkpoint, "engine.sequence_parallel_size": 2, "ray.n_workers_per_node": 2,
+            "ray.cpus_per_worker": 0.5}), env={"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1",
+                                               "RAY_TMPDIR": ray_tmp})
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    straight = read_metrics(sp2)[-1]
+    keys = ("train/loss", "val/loss", "train/tokens", "train/loss_tokens", "perf/padding_efficiency")
+    print({key: [straight[key]] + [read_metrics(run)[-1][key] for run in (resumed, on_ray)] for key in keys})
+    for after in (read_metrics(resumed)[-1], read_metrics(on_ray)[-1]):
+        assert straight["step"] == after["step"] == 2
+        # Every rank's shares (loss tokens, real tokens of its slices) add up to the whole batch's.
+        for key in ("train/tokens", "train/loss_tokens"):
+            assert straight[key] == after[key]
+        for key in ("train/loss", "val/loss"):
+            assert abs(straight[key] - after[key]) <= 1e-5 * after[key], (key, straight[key], after[key])
+    # SP pads each row to a multiple of 2 tokens; one process has no padding.
+    assert straight["perf/padding_efficiency"] < read_metrics(resumed)[-1]["perf/padding_efficiency"] == 1.0

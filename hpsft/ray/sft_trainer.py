@@ -33,14 +33,20 @@ class RaySFTTrainer(SFTTrainer):
             raise
 
     def place_process(self) -> tuple[int, int, int, int]:
-        if self.config.engine.sequence_parallel_size > 1:
-            raise UserInputError("engine.sequence_parallel_size > 1 runs on the SPMD path only (torchrun, the "
-                                 "deepspeed launcher, srun) for now: docs/sequence_parallel.md")
-        return 0, 0, self.config.ray.nnodes * self.config.ray.n_workers_per_node, 1
+        """The driver: rank 0 outside torch.distributed, loading whole global batches for
+        world / SP data-parallel ranks."""
+        workers = self.config.ray.nnodes * self.config.ray.n_workers_per_node
+        sp = self.config.engine.sequence_parallel_size
+        if workers % sp:
+            raise UserInputError(f"engine.sequence_parallel_size={sp} does not divide the {workers} Ray workers "
+                                 "(ray.nnodes x ray.n_workers_per_node): the world is data-parallel size x "
+                                 "sequence-parallel size")
+        return 0, 0, workers // sp, 1
 
     def launch_description(self) -> str:
         ray_cfg = self.config.ray
-        return (f"launcher ray: world size {self.dp_size}, {ray_cfg.nnodes} node(s), "
+        world = ray_cfg.nnodes * ray_cfg.n_workers_per_node
+        return (f"launcher ray: world size {world}, {ray_cfg.nnodes} node(s), "
                 f"{ray_cfg.n_workers_per_node} rank(s) per node")
 
     def build_sampler(self) -> RankInterleavedSampler:
@@ -58,7 +64,7 @@ class RaySFTTrainer(SFTTrainer):
                                cfg.engine.collective_timeout_s)
         print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
         group.init_model().get()
-        return DataParallelWorker(group)
+        return DataParallelWorker(group, cfg.engine.sequence_parallel_size)
 
     def fit(self) -> None:
         restarts = 0
