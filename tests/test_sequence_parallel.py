@@ -106,8 +106,9 @@ def rel_error(grads: dict, reference: dict) -> float:
 @pytest.mark.slow
 def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
     """2 ranks: DP=1 x SP=2 (ZeRO-2, ZeRO-3; GQA with 2 key/value heads, and with 1 repeated
-    to the 4 query heads) vs DP=2 x SP=1 on the same global batches, two steps each; step 1
-    also against one process on the same packed rows."""
+    to the 4 query heads; with activation checkpointing, which repeats the all-to-all in the
+    recomputation) vs DP=2 x SP=1 on the same global batches, two steps each; step 1 also
+    against one process on the same packed rows."""
     gqa = tiny_llama(tmp_path / "gqa")
     one_kv = tiny_llama(tmp_path / "one_kv", kv_heads=1)
     # Step 1's rows: cut inside a sequence longer than half its row (and padded from 57 to 58),
@@ -118,7 +119,8 @@ def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
     layouts = [{"name": "zero2 sp2", "model": gqa, "zero_stage": 2, "sp": 2},
                {"name": "zero3 sp2", "model": gqa, "zero_stage": 3, "sp": 2},
                {"name": "zero2 dp2", "model": gqa, "zero_stage": 2, "sp": 1},
-               {"name": "one kv head, zero2 sp2", "model": one_kv, "zero_stage": 2, "sp": 2}]
+               {"name": "one kv head, zero2 sp2", "model": one_kv, "zero_stage": 2, "sp": 2},
+               {"name": "checkpointing, zero2 sp2", "model": gqa, "zero_stage": 2, "sp": 2, "checkpointing": True}]
     torch.save({"sequences": samples, "steps": steps, "layouts": layouts}, tmp_path / "spec.pt")
     proc = run_cli(None, [str(tmp_path / "spec.pt"), str(tmp_path / "out.pt")], nproc=2, script=SCRIPT)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -130,7 +132,7 @@ def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
         run = runs[layout["name"]]
         figures[f"{layout['name']}: step-1 loss vs one process"] = abs(run["losses"][0] - loss) / loss
         figures[f"{layout['name']}: step-1 grads vs one process"] = rel_error(run["grads"], grads)
-    for name in ("zero2 sp2", "zero3 sp2"):
+    for name in ("zero2 sp2", "zero3 sp2", "checkpointing, zero2 sp2"):
         figures[f"{name}: step-2 loss vs zero2 dp2"] = abs(runs[name]["losses"][1] - runs["zero2 dp2"]["losses"][1])
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)

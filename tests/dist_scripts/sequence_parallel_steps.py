@@ -9,7 +9,8 @@ SPEC_PT holds {"sequences": [{input_ids, loss_mask}], "steps": [[row, ...], ...]
 sequence indices packed into it), "layouts": [{"name", "model", "zero_stage", "sp"}]}. With
 SP ranks per group there are N/SP data-parallel ranks: dp rank d trains rows d, d+N/SP, ...
 of a step (the rows are the same on every SP rank of a group, and each trains its slice:
-exactly what TrainingWorker does after planning the rows). OUT_PT gets {name: {"losses":
+exactly what TrainingWorker does after planning the rows); "checkpointing": true in a layout
+turns on activation checkpointing. OUT_PT gets {name: {"losses":
 [per step], "grads": {param: tensor}}}.
 """
 
@@ -36,10 +37,11 @@ def rank_rows(samples: list[dict], rows: list[list[int]], sp: int, sp_group) -> 
 
 def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) -> dict:
     config = load_config(None, [f"model.path={layout['model']}", f"engine.zero_stage={layout['zero_stage']}",
+                                f"model.gradient_checkpointing={str(layout.get('checkpointing', False)).lower()}",
                                 "optim.lr=1e-2", "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
     sp = layout["sp"]
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(steps))
-    model = PackedCausalLM(load_causal_lm(config.model.path))
+    model = PackedCausalLM(load_causal_lm(config.model.path, gradient_checkpointing=config.model.gradient_checkpointing))
     engine.initialize(model)
     sp_group = distributed.sequence_parallel_group(sp) if sp > 1 else None
     if sp > 1:
