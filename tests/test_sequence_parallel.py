@@ -81,6 +81,30 @@ def test_a_head_count_not_divisible_by_sp_is_refused_with_the_numbers():
     check_heads(config, 3)
 
 
+def test_tiled_mlps_give_the_untiled_gradients_in_tiles(tmp_path):
+    """One process: MLPs in tiles of at most 8 tokens over a 57-token row give the untiled loss
+    and gradients, running each projection once per tile in the forward and again in the backward."""
+    from hpsft.models import PackedCausalLM, load_causal_lm
+    from hpsft.models.tiled_mlp import tile_mlps
+
+    path = tiny_llama(tmp_path / "model")
+    row = row_of([40, 9, 8])
+    results = []
+    for tiled in (False, True):
+        model = PackedCausalLM(load_causal_lm(path)).train()
+        calls = []
+        model.lm.get_decoder().layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[-2]))
+        if tiled:
+            tile_mlps(model.lm, 8)
+        out = model(**row)
+        out["loss"].backward()
+        results.append((float(out["loss"].detach()), {k: p.grad for k, p in model.named_parameters()}, calls))
+    (loss, grads, calls), (tiled_loss, tiled_grads, tiled_calls) = results
+    # ceil(57 / 8) = 8 tiles, as even as possible; run in the forward, then recomputed in the backward.
+    assert calls == [57] and tiled_calls == ([8] + [7] * 7) * 2
+    assert abs(tiled_loss - loss) <= 1e-6 * abs(loss) and rel_error(tiled_grads, grads) < 1e-6
+
+
 def one_process_step(model_path: str, samples: list[dict], rows: list[list[int]]) -> tuple[float, dict]:
     """(loss, gradients) of one step on whole packed rows, without DeepSpeed or SP."""
     from hpsft.models import PackedCausalLM, load_causal_lm
@@ -107,8 +131,8 @@ def rel_error(grads: dict, reference: dict) -> float:
 def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
     """2 ranks: DP=1 x SP=2 (ZeRO-2, ZeRO-3; GQA with 2 key/value heads, and with 1 repeated
     to the 4 query heads; with activation checkpointing, which repeats the all-to-all in the
-    recomputation) vs DP=2 x SP=1 on the same global batches, two steps each; step 1 also
-    against one process on the same packed rows."""
+    recomputation; with tiled MLPs, also at DP=2) vs DP=2 x SP=1 on the same global batches,
+    two steps each; step 1 also against one process on the same (untiled) packed rows."""
     gqa = tiny_llama(tmp_path / "gqa")
     one_kv = tiny_llama(tmp_path / "one_kv", kv_heads=1)
     # Step 1's rows: cut inside a sequence longer than half its row (and padded from 57 to 58),
@@ -120,7 +144,10 @@ def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
                {"name": "zero3 sp2", "model": gqa, "zero_stage": 3, "sp": 2},
                {"name": "zero2 dp2", "model": gqa, "zero_stage": 2, "sp": 1},
                {"name": "one kv head, zero2 sp2", "model": one_kv, "zero_stage": 2, "sp": 2},
-               {"name": "checkpointing, zero2 sp2", "model": gqa, "zero_stage": 2, "sp": 2, "checkpointing": True}]
+               {"name": "checkpointing, zero2 sp2", "model": gqa, "zero_stage": 2, "sp": 2, "checkpointing": True},
+               # MLPs in tiles of 8 tokens; with DP=2 the ranks' rows differ in length and agree on a count.
+               {"name": "tiled mlp, zero3 sp2", "model": gqa, "zero_stage": 3, "sp": 2, "tiled_mlp_tokens": 8},
+               {"name": "tiled mlp, zero3 dp2", "model": gqa, "zero_stage": 3, "sp": 1, "tiled_mlp_tokens": 8}]
     torch.save({"sequences": samples, "steps": steps, "layouts": layouts}, tmp_path / "spec.pt")
     proc = run_cli(None, [str(tmp_path / "spec.pt"), str(tmp_path / "out.pt")], nproc=2, script=SCRIPT)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -132,7 +159,7 @@ def test_sp2_trains_as_sp1_under_zero2_and_zero3(tmp_path):
         run = runs[layout["name"]]
         figures[f"{layout['name']}: step-1 loss vs one process"] = abs(run["losses"][0] - loss) / loss
         figures[f"{layout['name']}: step-1 grads vs one process"] = rel_error(run["grads"], grads)
-    for name in ("zero2 sp2", "zero3 sp2", "checkpointing, zero2 sp2"):
+    for name in ("zero2 sp2", "zero3 sp2", "checkpointing, zero2 sp2", "tiled mlp, zero3 sp2", "tiled mlp, zero3 dp2"):
         figures[f"{name}: step-2 loss vs zero2 dp2"] = abs(runs[name]["losses"][1] - runs["zero2 dp2"]["losses"][1])
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)

@@ -26,10 +26,14 @@ class ModelConfig:
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # Run every decoder layer's MLP over the row in tiles of this many tokens, forward and
+    # backward (long rows: docs/sequence_parallel.md); None: in one piece.
+    tiled_mlp_tokens: Optional[int] = None
 
     def __post_init__(self):
         check_choice("model", "attn_implementation", self.attn_implementation,
                      {"auto", "hpsft_varlen", "sdpa", "eager", "flash_attention_2"})
+        check_positive("model", "tiled_mlp_tokens", self.tiled_mlp_tokens)
 
 
 @dataclass(frozen=True)

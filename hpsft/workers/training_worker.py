@@ -22,6 +22,7 @@ from hpsft.engine import DeepSpeedEngine
 from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
+from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.models.ulysses_attention import check_heads
 from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
 from hpsft.workers.fault_hook import maybe_fail
@@ -85,6 +86,8 @@ class TrainingWorker:
             # documents attending to each other move logits by ~0.5 (PLATFORM-NOTES.md).
             tolerance = 2e-2 if self.engine_config.dtype == "bfloat16" else 1e-4
             verify_packed_training(lm, tolerance, gathered=self.engine.gathered)
+        if cfg.tiled_mlp_tokens is not None:  # after the checks above, which compare with the untiled model
+            tile_mlps(lm, cfg.tiled_mlp_tokens)
         if self.sp_size > 1:  # after the whole-row checks above, which run without the group
             _, _, self.sp_rank = distributed.sequence_parallel_layout(self.sp_size)
             packed.enable_sequence_parallel(distributed.sequence_parallel_group(self.sp_size), self.sp_size,

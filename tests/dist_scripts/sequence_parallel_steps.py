@@ -10,7 +10,7 @@ sequence indices packed into it), "layouts": [{"name", "model", "zero_stage", "s
 SP ranks per group there are N/SP data-parallel ranks: dp rank d trains rows d, d+N/SP, ...
 of a step (the rows are the same on every SP rank of a group, and each trains its slice:
 exactly what TrainingWorker does after planning the rows); "checkpointing": true in a layout
-turns on activation checkpointing. OUT_PT gets {name: {"losses":
+turns on activation checkpointing, "tiled_mlp_tokens": N tiles the MLPs. OUT_PT gets {name: {"losses":
 [per step], "grads": {param: tensor}}}.
 """
 
@@ -26,6 +26,7 @@ from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.data.sequence_split import split_row
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
+from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.workers.training_worker import token_mean_loss
 
 
@@ -43,6 +44,8 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(steps))
     model = PackedCausalLM(load_causal_lm(config.model.path, gradient_checkpointing=config.model.gradient_checkpointing))
     engine.initialize(model)
+    if layout.get("tiled_mlp_tokens"):
+        tile_mlps(model.lm, layout["tiled_mlp_tokens"])
     sp_group = distributed.sequence_parallel_group(sp) if sp > 1 else None
     if sp > 1:
         model.enable_sequence_parallel(sp_group, sp, distributed.sequence_parallel_layout(sp)[2])
