@@ -172,50 +172,69 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
     assert abs(runs["zero2 dp2"]["losses"][1] - runs["zero2 dp2"]["losses"][0]) > 1e-3
 
 
-@pytest.mark.slow
-def test_the_cli_trains_with_sp2_and_resumes_with_sp1_and_on_ray(tmp_path, model_path, chat_rows):
-    """A DP=1 x SP=2 run of 2 steps (token-budget rows, validation, a checkpoint per step);
-    its step-1 checkpoint resumed by one process (SP=1, the ZeRO shards of 2 ranks
-    converted) and by a Ray driver over 2 workers (SP=2) trains step 2 to the same loss,
-    token counts and validation loss."""
-    model = tiny_llama(tmp_path / "model", vocab=49152)  # SmolLM2's tokenizer, a 4-head GQA model
+@pytest.fixture(scope="module")
+def sp2_run(tmp_path_factory, model_path, chat_rows):
+    """A DP=1 x SP=2 CLI run of 2 steps (token-budget rows, validation, a checkpoint per
+    step) on a 4-head GQA model with SmolLM2's tokenizer, and the overrides that made it."""
+    root = tmp_path_factory.mktemp("sp2_run")
+    model = tiny_llama(root / "model", vocab=49152)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{model_path}/{name}", tmp_path / "model" / name)
-    train = write_parquet([{"messages": c} for c in chat_rows[:16]], tmp_path / "train.parquet")
-    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
+        shutil.copy(f"{model_path}/{name}", root / "model" / name)
+    train = write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], root / "val.parquet")
 
     def overrides(out, **extra):
         return base_overrides(model, train, val, out, **{
             "data.max_tokens_per_micro_batch": 256, "trainer.save_every": 1, "trainer.export_hf": "false",
             "trainer.peak_flops_per_device": 1e12, **extra})
 
-    sp2 = tmp_path / "sp2"
-    proc = run_cli("hpsft.train", overrides(sp2, **{"engine.sequence_parallel_size": 2}), nproc=2)
+    out = root / "sp2"
+    proc = run_cli("hpsft.train", overrides(out, **{"engine.sequence_parallel_size": 2}), nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    resumed = tmp_path / "resumed"
+    assert "world size 2, 1 node(s), 2 rank(s) per node; data-parallel size 1 x sequence-parallel size 2" in proc.stdout
+    return out, overrides
+
+
+def assert_same_step_2(straight_run, resumed_run) -> None:
+    """The resumed run's step 2 is the straight SP=2 run's: loss, validation loss, and the
+    token counts every rank's shares (its slices') add up to."""
+    straight, after = read_metrics(straight_run)[-1], read_metrics(resumed_run)[-1]
+    keys = ("train/loss", "val/loss", "train/tokens", "train/loss_tokens", "perf/padding_efficiency")
+    print({key: (straight[key], after[key]) for key in keys})
+    assert straight["step"] == after["step"] == 2
+    for key in ("train/tokens", "train/loss_tokens"):
+        assert straight[key] == after[key]
+    for key in ("train/loss", "val/loss"):
+        assert abs(straight[key] - after[key]) <= 1e-5 * after[key], (key, straight[key], after[key])
+
+
+@pytest.mark.slow
+def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
+    """The step-1 checkpoint of the SP=2 run, resumed by one process (SP=1; the ZeRO shards of
+    2 ranks converted), trains step 2 as the SP=2 run did."""
+    sp2, overrides = sp2_run
     checkpoint = sp2 / "checkpoints" / "global_step_1"
+    resumed = tmp_path / "resumed"
     proc = run_cli("hpsft.train", overrides(resumed, **{"trainer.resume": checkpoint}))
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert f"resumed from {checkpoint} at step 1 (written by a spmd run with 1 data-parallel ranks, now 1)" \
         in proc.stdout
+    assert_same_step_2(sp2, resumed)
+    # SP pads each row to a multiple of 2 tokens; one process has no padding.
+    assert read_metrics(sp2)[-1]["perf/padding_efficiency"] < read_metrics(resumed)[-1]["perf/padding_efficiency"] == 1
+
+
+@pytest.mark.slow
+def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
+    """The same checkpoint resumed by a Ray driver over 2 workers with SP=2: the same step 2."""
+    sp2, overrides = sp2_run
     on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
     try:
         proc = run_cli("hpsft.train_ray", overrides(on_ray, **{
-            "trainer.resume": checkpoint, "engine.sequence_parallel_size": 2, "ray.n_workers_per_node": 2,
-            "ray.cpus_per_worker": 0.5}), env={"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1",
-                                               "RAY_TMPDIR": ray_tmp})
+            "trainer.resume": sp2 / "checkpoints" / "global_step_1", "engine.sequence_parallel_size": 2,
+            "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5}),
+            env={"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1", "RAY_TMPDIR": ray_tmp})
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    straight = read_metrics(sp2)[-1]
-    keys = ("train/loss", "val/loss", "train/tokens", "train/loss_tokens", "perf/padding_efficiency")
-    print({key: [straight[key]] + [read_metrics(run)[-1][key] for run in (resumed, on_ray)] for key in keys})
-    for after in (read_metrics(resumed)[-1], read_metrics(on_ray)[-1]):
-        assert straight["step"] == after["step"] == 2
-        # Every rank's shares (loss tokens, real tokens of its slices) add up to the whole batch's.
-        for key in ("train/tokens", "train/loss_tokens"):
-            assert straight[key] == after[key]
-        for key in ("train/loss", "val/loss"):
-            assert abs(straight[key] - after[key]) <= 1e-5 * after[key], (key, straight[key], after[key])
-    # SP pads each row to a multiple of 2 tokens; one process has no padding.
-    assert straight["perf/padding_efficiency"] < read_metrics(resumed)[-1]["perf/padding_efficiency"] == 1.0
+    assert_same_step_2(sp2, on_ray)

@@ -66,7 +66,9 @@ class SFTTrainer:
         self.config = config
         self.rank, self.dp_rank, self.dp_size, self.loading_ranks = self.place_process()
         if self.rank == 0:
-            print(f"hpsft: {self.launch_description()}", flush=True)
+            sp = config.engine.sequence_parallel_size
+            layout = f"; data-parallel size {self.dp_size} x sequence-parallel size {sp}" if sp > 1 else ""
+            print(f"hpsft: {self.launch_description()}{layout}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
         seed_everything(config.trainer.seed)
