@@ -42,7 +42,8 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
                                 "optim.lr=1e-2", "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
     sp = layout["sp"]
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(steps))
-    model = PackedCausalLM(load_causal_lm(config.model.path, gradient_checkpointing=config.model.gradient_checkpointing))
+    model = PackedCausalLM(load_causal_lm(config.model.path,
+                                          gradient_checkpointing=config.model.gradient_checkpointing))
     engine.initialize(model)
     if layout.get("tiled_mlp_tokens"):
         tile_mlps(model.lm, layout["tiled_mlp_tokens"])
