@@ -8,6 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hpsft.errors import UserInputError
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -105,6 +107,22 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def sequence_parallel_layout(sp_size: int) -> tuple[int, int, int]:
+    """(dp_rank, dp_size, sp_rank) of this process when the world is dp_size x sp_size: SP
+    groups are runs of consecutive ranks (the ranks of one node first, where the attention's
+    all-to-all is cheapest), and the i-th group is data-parallel rank i."""
+    if world_size() % sp_size:
+        raise UserInputError(f"engine.sequence_parallel_size={sp_size} does not divide the world size "
+                             f"{world_size()}: the world is data-parallel size x sequence-parallel size")
+    return rank() // sp_size, world_size() // sp_size, rank() % sp_size
+
+
+def sequence_parallel_group(sp_size: int):
+    """This rank's SP process group (a collective: every rank creates every group)."""
+    groups = [dist.new_group(list(range(first, first + sp_size))) for first in range(0, world_size(), sp_size)]
+    return groups[rank() // sp_size]
 
 
 def barrier() -> None:

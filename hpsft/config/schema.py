@@ -56,10 +56,14 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Run every decoder layer's MLP over the row in tiles of this many tokens, forward and
+    # backward (long rows: docs/sequence_parallel.md); None: in one piece.
+    tiled_mlp_tokens: Optional[int] = None
 
     def __post_init__(self):
         check_choice("model", "attn_implementation", self.attn_implementation,
                      {"auto", "hpsft_varlen", "sdpa", "eager", "flash_attention_2"})
+        check_positive("model", "tiled_mlp_tokens", self.tiled_mlp_tokens)
 
 
 @dataclass(frozen=True)
@@ -208,9 +212,13 @@ class EngineConfig:
     # failing: bounds the wait when another rank died without its launcher ending this one.
     # DeepSpeed's own groups (gradient reduction) keep torch's default (docs/checkpoints.md).
     collective_timeout_s: float = 300.0
+    # Ulysses sequence parallelism (docs/sequence_parallel.md): each packed row is cut along its
+    # tokens across this many ranks; the world is data-parallel size x this.
+    sequence_parallel_size: int = 1
 
     def __post_init__(self):
         check_choice("engine", "zero_stage", self.zero_stage, {0, 1, 2, 3})
+        check_positive("engine", "sequence_parallel_size", self.sequence_parallel_size)
         check_choice("engine", "dtype", self.dtype, {"float32", "bfloat16"})
         check_positive("engine", "collective_timeout_s", self.collective_timeout_s)
         if self.offload_params and self.zero_stage != 3:

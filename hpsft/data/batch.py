@@ -64,6 +64,21 @@ def target_mask(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return targets
 
 
+IGNORE_INDEX = -100  # the label of a position that predicts no supervised token
+
+
+def shifted_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(T,) the token each position of a packed row predicts: the next token of its own
+    sequence where that token is supervised, IGNORE_INDEX elsewhere (a sequence's last
+    position never predicts the next sequence's first token). Taken on the whole row, the
+    labels stay right when the row is later cut (sequence_split.py): a slice's last position
+    keeps the label of a token that lives on the next slice."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    targets = torch.nonzero(target_mask(loss_mask.bool(), offsets), as_tuple=True)[0]
+    labels[targets - 1] = input_ids[targets]
+    return labels
+
+
 def loss_token_count(batch: TensorDict) -> int:
     if batch.batch_size[0] == 0:
         return 0

@@ -5,6 +5,12 @@ DeepSpeed config says one micro-batch per step and the accumulation boundary is 
 hand before every backward. DeepSpeed averages gradients over data-parallel ranks; the
 engine multiplies each loss by the dp size so that gradients are *sums*, and the caller
 normalises (by the token count of the whole step) inside its loss.
+
+With sequence parallelism every rank of an SP group holds the same weights and computes the
+gradient of its own token slice: the step's gradient is the sum over *every* rank, so
+DeepSpeed's data-parallel group here is the whole world (ZeRO shards its state over all
+ranks too, as DeepSpeed's own sequence-data-parallel group does). `dp_size` below is that
+group; the data-parallel size of sampling (world / SP) is the trainer's.
 """
 
 import contextlib

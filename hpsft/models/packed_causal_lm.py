@@ -7,6 +7,9 @@ sdpa/eager also work (a block-diagonal mask from the position restarts, when
 `attention_mask=None` and `use_cache=False`; with the cache on, packed documents silently
 attend to each other). What the family's own forward does after the decoder (logit
 soft-capping and scaling, the MoE router loss) is redone here from `families.output_side`.
+With sequence parallelism (enable_sequence_parallel) the row is one rank's slice of a
+packed row (data/sequence_split.py) and attention gathers the whole row per head group
+(ulysses_attention.py); the loss is this slice's share, from labels cut with the slice.
 `verify_packed_training` checks the whole path against the model's own eager forward.
 """
 
@@ -15,8 +18,9 @@ import contextlib
 import torch
 from torch import nn
 
-from hpsft.data.batch import collate_jagged, packed_row, target_mask
+from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels, target_mask
 from hpsft.models.families import UnsupportedModel, longest_sliding_window, output_side
+from hpsft.models.ulysses_attention import INNER_IMPLEMENTATIONS, ULYSSES_IMPLEMENTATION, SequenceParallel, check_heads
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 from hpsft.ops import varlen_linear_cross_entropy
 
@@ -49,6 +53,27 @@ class PackedCausalLM(nn.Module):
         self.label_smoothing = label_smoothing
         self.token_accuracy = token_accuracy
         self.output_side = output_side(lm)
+        self.sequence_parallel: SequenceParallel | None = None
+
+    def enable_sequence_parallel(self, group, size: int, rank: int) -> None:
+        """From now on forward takes one SP rank's slice of each packed row (split_row) and
+        attention runs over the group; call it after any check on whole rows
+        (verify_packed_training), which runs without the group."""
+        lm = self.lm
+        check_heads(lm.config, size)
+        inner = lm.config._attn_implementation
+        if inner not in INNER_IMPLEMENTATIONS:
+            raise UnsupportedModel(
+                f"engine.sequence_parallel_size={size} needs an attention that takes a packed row's exact sequence "
+                f"boundaries ({' or '.join(INNER_IMPLEMENTATIONS)}, model.attn_implementation=auto picks one), "
+                f"not {inner!r}")
+        if self.output_side.router_aux_loss is not None:
+            # The load-balancing loss is a product of per-row means over all of the row's
+            # tokens: the sum of the slices' losses is not the row's.
+            raise UnsupportedModel(f"{type(lm).__name__}: the MoE router loss is not computed across "
+                                   "sequence-parallel slices; train it with engine.sequence_parallel_size=1")
+        self.sequence_parallel = SequenceParallel(group, size, rank, inner)
+        lm.set_attn_implementation(ULYSSES_IMPLEMENTATION)
 
     def own_name(self, name: str) -> str:
         if hasattr(self, name):
@@ -65,12 +90,15 @@ class PackedCausalLM(nn.Module):
         """The decoder's last hidden state (T, H), scaled as the family scales its logits, and
         the router logits per layer (MoE with the router loss on; else None)."""
         # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn).
+        # Under sequence parallelism input_ids are a slice and offsets the whole row's: the
+        # attention function sees the whole row (ulysses_attention.py).
         max_length = int(offsets.diff().max()) if offsets.numel() > 1 else 0
         with_router = self.output_side.router_aux_loss is not None
         out = self.lm.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False,
             cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=max_length, max_length_k=max_length,
             **({"output_router_logits": True} if with_router else {}),
+            **({"sequence_parallel": self.sequence_parallel} if self.sequence_parallel else {}),
         )
         hidden = out.last_hidden_state[0]
         if self.output_side.hidden_scale != 1.0:
@@ -82,16 +110,18 @@ class PackedCausalLM(nn.Module):
         side = self.output_side
         return side.router_aux_loss(router_logits, side.num_experts, side.experts_per_token, None)
 
-    def token_losses(self, hidden, input_ids, offsets, loss_mask, reduction):
+    def token_losses(self, hidden, labels, reduction):
+        """The fused loss of each position against its label (shifted_labels: IGNORE_INDEX
+        where a position predicts no supervised token)."""
         head = self.lm.get_output_embeddings()
         return varlen_linear_cross_entropy(
-            hidden, head.weight, getattr(head, "bias", None), input_ids=input_ids[0], offsets=offsets,
-            loss_mask=loss_mask, reduction=reduction, backend=self.loss_backend, z_loss_weight=self.z_loss_weight,
+            hidden, head.weight, getattr(head, "bias", None), labels=labels, ignore_index=IGNORE_INDEX,
+            reduction=reduction, backend=self.loss_backend, z_loss_weight=self.z_loss_weight,
             label_smoothing=self.label_smoothing, softcap=self.output_side.softcap, return_logprobs=True,
         )
 
-    def forward(self, input_ids, position_ids, offsets, loss_mask, per_sequence: bool = False,
-                sequence_nll: bool = False) -> dict:
+    def forward(self, input_ids, position_ids, offsets, loss_mask=None, labels=None, slice_start: int = 0,
+                per_sequence: bool = False, sequence_nll: bool = False) -> dict:
         """The row's loss terms, as sums over its loss tokens:
           loss            the training objective: cross-entropy (with z-loss and label
                           smoothing when set) + router_aux_loss_coef * router_aux_loss * n_tokens
@@ -104,27 +134,33 @@ class PackedCausalLM(nn.Module):
         With per_sequence (no gradients needed): {nll, n_tokens} as (B,) tensors per sequence.
         With sequence_nll (training): also sequence_nll and sequence_tokens, the same (B,)
         tensors (detached), for per-dataset losses.
+
+        A whole packed row comes with its loss_mask; a sequence-parallel slice (split_row)
+        with its labels and slice_start, its offsets being the whole row's: every term is then
+        this slice's share (per sequence too), and the shares add up over the SP group.
         """
+        if labels is None:
+            labels = shifted_labels(input_ids[0], loss_mask, offsets)
         hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets)
-        out = self.token_losses(hidden, input_ids, offsets, loss_mask, "none" if per_sequence else "sum")
+        out = self.token_losses(hidden, labels, "none" if per_sequence else "sum")
         if per_sequence:
-            nll, n_tokens = per_sequence_sums(out.logprobs, loss_mask, offsets)
+            nll, n_tokens = per_sequence_sums(out.logprobs, labels, offsets, slice_start)
             return {"nll": nll, "n_tokens": n_tokens}
         by_sequence = {}
         if sequence_nll:
-            nll, n_tokens = per_sequence_sums(out.logprobs.detach(), loss_mask, offsets)
+            nll, n_tokens = per_sequence_sums(out.logprobs.detach(), labels, offsets, slice_start)
             by_sequence = {"sequence_nll": nll, "sequence_tokens": n_tokens}
         loss = out.loss
         aux = loss.new_zeros(())
         if router_logits is not None:
             aux = self.router_aux_loss(router_logits)
             loss = loss + self.output_side.router_aux_loss_coef * aux * out.n_tokens
-        correct = self.count_correct(hidden, input_ids[0], offsets, loss_mask) if self.token_accuracy else -1
+        correct = self.count_correct(hidden, labels) if self.token_accuracy else -1
         return {"loss": loss, "nll": -out.logprobs.sum(), "n_tokens": out.n_tokens, "z_loss": out.z_loss,
                 "router_aux_loss": aux.detach(), "correct": torch.as_tensor(correct), **by_sequence}
 
     @torch.no_grad()
-    def count_correct(self, hidden, input_ids, offsets, loss_mask, chunk: int = 2048) -> int:
+    def count_correct(self, hidden, labels, chunk: int = 2048) -> int:
         """Loss tokens whose argmax prediction is right. The fused loss never forms logits, so
         this re-runs the LM head (no grad, chunked) on the loss positions: only when asked.
         Soft-capping is monotonic, so the argmax of the raw head output is the model's.
@@ -132,12 +168,12 @@ class PackedCausalLM(nn.Module):
         call gathers the weight, and a number of calls that depends on this rank's data would
         leave the other ranks waiting in a collective."""
         head = self.lm.get_output_embeddings()
-        targets = torch.nonzero(target_mask(loss_mask.bool(), offsets), as_tuple=True)[0]
+        rows = torch.nonzero(labels != IGNORE_INDEX, as_tuple=True)[0]
         correct = 0
-        for start in range(0, targets.numel(), chunk):
-            t = targets[start:start + chunk]
-            logits = torch.nn.functional.linear(hidden[t - 1], head.weight, getattr(head, "bias", None))
-            correct += int((logits.argmax(-1) == input_ids[t]).sum())
+        for start in range(0, rows.numel(), chunk):
+            r = rows[start:start + chunk]
+            logits = torch.nn.functional.linear(hidden[r], head.weight, getattr(head, "bias", None))
+            correct += int((logits.argmax(-1) == labels[r]).sum())
         return correct
 
     def logits(self, input_ids, position_ids, offsets):
@@ -148,14 +184,17 @@ class PackedCausalLM(nn.Module):
         return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
-def per_sequence_sums(logprobs, loss_mask, offsets) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's NLL sum and loss-token count, from the op's per-row log-probabilities
-    (zero on rows that predict no target; row t - 1 predicts token t of the same sequence)."""
-    lengths = offsets.diff()
-    sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    nll = logprobs.new_zeros(lengths.numel()).index_add(0, sequence_of_row, -logprobs)
-    targets = target_mask(loss_mask.bool(), offsets).long()
-    return nll, torch.zeros_like(lengths).index_add(0, sequence_of_row, targets)
+def per_sequence_sums(logprobs, labels, offsets, slice_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's NLL sum and loss-token count from the op's per-row log-probabilities
+    (zero on rows without a label). The rows are positions slice_start, slice_start + 1, ...
+    of the packed row whose sequence boundaries are `offsets`: a whole row, or one
+    sequence-parallel slice of it (then these are the slice's shares)."""
+    rows = slice_start + torch.arange(labels.numel(), device=labels.device)
+    # right=True: a row at a sequence's start belongs to it (and empty sequences get none).
+    sequence_of_row = torch.searchsorted(offsets, rows, right=True) - 1
+    nll = logprobs.new_zeros(offsets.numel() - 1).index_add(0, sequence_of_row, -logprobs)
+    supervised = (labels != IGNORE_INDEX).long()
+    return nll, torch.zeros_like(offsets[1:]).index_add(0, sequence_of_row, supervised)
 
 
 def eager_reference_logprobs(lm: nn.Module, sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -213,7 +252,8 @@ def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4, gathered=alre
         packed = PackedCausalLM(lm)
         hidden, _ = packed.hidden_states(row["input_ids"], row["position_ids"], row["offsets"])
         with gathered([head]):
-            out = packed.token_losses(hidden, row["input_ids"], row["offsets"], row["loss_mask"], "none")
+            labels = shifted_labels(row["input_ids"][0], row["loss_mask"], row["offsets"])
+            out = packed.token_losses(hidden, labels, "none")
         # Row t - 1 predicts target token t: the op reports log-probabilities per predicting row.
         predicting_rows = torch.nonzero(target_mask(row["loss_mask"], row["offsets"]), as_tuple=True)[0] - 1
         ours = out.logprobs[predicting_rows].double()

@@ -4,6 +4,9 @@ The driver sees every sequence of a step, so it computes lengths and the step's 
 count itself (no all-gather), splits the batch into per-rank shards balanced by tokens,
 sends each rank its shard and gathers the results. Which rank gets which sequence does not
 change the step: the loss is normalised by the loss tokens of the whole global batch.
+With sequence parallelism the batch is split over the data-parallel ranks (world / SP) and
+every SP rank of a group gets its group's shard (ranks r*SP .. r*SP+SP-1 form group r, as
+under SPMD); each returns its slices' share of the per-sequence results, which add up.
 """
 
 import torch
@@ -28,11 +31,14 @@ def split_by_tokens(lengths: list[int], n_shards: int) -> list[list[int]]:
 
 
 class DataParallelWorker:
-    def __init__(self, group: RayWorkerGroup):
+    def __init__(self, group: RayWorkerGroup, sp_size: int = 1):
         self.group = group
+        self.sp_size = sp_size
 
     def shard(self, batch) -> tuple[list[list[int]], PerRank]:
-        positions = split_by_tokens(seqlens(batch).tolist(), self.group.world_size)
+        """The sample positions of each rank's shard, and the shards (one per rank)."""
+        dp_positions = split_by_tokens(seqlens(batch).tolist(), self.group.world_size // self.sp_size)
+        positions = [p for p in dp_positions for _ in range(self.sp_size)]
         return positions, PerRank(select(batch, p) for p in positions)
 
     def train_batch(self, batch) -> dict:
@@ -42,14 +48,15 @@ class DataParallelWorker:
         return combine_ranks(outs)
 
     def infer_batch(self, batch) -> dict:
-        """Per-sequence results of every rank, put back in the batch's order."""
+        """Per-sequence results of every rank, put back in the batch's order (the SP ranks'
+        shares of a sequence added up)."""
         positions, shards = self.shard(batch)
         outs = self.group.infer_batch(shards).get()
         gathered = {}
         for key, first in outs[0].items():
             gathered[key] = torch.zeros(batch.batch_size[0], dtype=first.dtype)
             for rank_positions, out in zip(positions, outs):
-                gathered[key][torch.as_tensor(rank_positions, dtype=torch.int64)] = out[key]
+                gathered[key][torch.as_tensor(rank_positions, dtype=torch.int64)] += out[key]
         return gathered
 
     def start_profiler(self, folder: str, ranks: list[int], first_step: int) -> None:

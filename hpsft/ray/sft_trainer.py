@@ -12,6 +12,7 @@ and a group lost while being rebuilt uses up a restart too.
 """
 
 from hpsft.config import SFTConfig
+from hpsft.errors import UserInputError
 from hpsft.ray.data_parallel import DataParallelWorker
 from hpsft.ray.resource_pool import RayResourcePool
 from hpsft.ray.sampler import RankInterleavedSampler
@@ -31,12 +32,21 @@ class RaySFTTrainer(SFTTrainer):
                 self.close()
             raise
 
-    def place_process(self) -> tuple[int, int, int]:
-        return 0, 1, self.config.ray.nnodes * self.config.ray.n_workers_per_node
+    def place_process(self) -> tuple[int, int, int, int]:
+        """The driver: rank 0 outside torch.distributed, loading whole global batches for
+        world / SP data-parallel ranks."""
+        workers = self.config.ray.nnodes * self.config.ray.n_workers_per_node
+        sp = self.config.engine.sequence_parallel_size
+        if workers % sp:
+            raise UserInputError(f"engine.sequence_parallel_size={sp} does not divide the {workers} Ray workers "
+                                 "(ray.nnodes x ray.n_workers_per_node): the world is data-parallel size x "
+                                 "sequence-parallel size")
+        return 0, 0, workers // sp, 1
 
     def launch_description(self) -> str:
         ray_cfg = self.config.ray
-        return (f"launcher ray: world size {self.dp_size}, {ray_cfg.nnodes} node(s), "
+        world = ray_cfg.nnodes * ray_cfg.n_workers_per_node
+        return (f"launcher ray: world size {world}, {ray_cfg.nnodes} node(s), "
                 f"{ray_cfg.n_workers_per_node} rank(s) per node")
 
     def build_sampler(self) -> RankInterleavedSampler:
@@ -55,7 +65,7 @@ class RaySFTTrainer(SFTTrainer):
                                cfg.engine.collective_timeout_s)
         print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
         group.init_model().get()
-        return DataParallelWorker(group)
+        return DataParallelWorker(group, cfg.engine.sequence_parallel_size)
 
     def fit(self) -> None:
         restarts = 0

@@ -79,15 +79,18 @@ class SFTTrainer:
 
     def __init__(self, config: SFTConfig):
         self.config = config
-        self.rank, self.world_size, self.dp_size = self.place_process()
+        self.rank, self.dp_rank, self.dp_size, self.loading_ranks = self.place_process()
         if self.rank == 0:
-            print(f"hpsft: {self.launch_description()}", flush=True)
+            sp = config.engine.sequence_parallel_size
+            layout = f"; data-parallel size {self.dp_size} x sequence-parallel size {sp}" if sp > 1 else ""
+            print(f"hpsft: {self.launch_description()}{layout}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
         distributed.on_rank0_then_share(lambda: check_trackers_available(config))  # rank 0 logs
-        if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= self.dp_size:
+        world_size = self.dp_size * config.engine.sequence_parallel_size
+        if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= world_size:
             raise UserInputError(f"trainer.profile_ranks={list(config.trainer.profile_ranks)} names a rank the run "
-                                 f"does not have: its data-parallel ranks are 0..{self.dp_size - 1}")
+                                 f"does not have: its ranks are 0..{world_size - 1}")
         seed_everything(config.trainer.seed)
         data = config.data
         if data.train_batch_size % self.dp_size:
@@ -95,8 +98,9 @@ class SFTTrainer:
                 f"data.train_batch_size={data.train_batch_size} is not divisible by the "
                 f"{self.dp_size} data-parallel ranks"
             )
-        # Sequences this process loads per step (its share under SPMD; all of them on a Ray driver).
-        self.batch_per_rank = data.train_batch_size // self.world_size
+        # Sequences this process loads per step (its data-parallel share under SPMD, the same for
+        # every sequence-parallel rank of a group; all of them on a Ray driver).
+        self.batch_per_rank = data.train_batch_size // self.loading_ranks
 
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         if data.chat_template is not None:  # also what the exported tokenizer carries
@@ -132,10 +136,14 @@ class SFTTrainer:
             self.load_checkpoint(resume_from)
         self.tracker = Tracker(config, self.run_dir, self.global_step) if self.rank == 0 else None
 
-    def place_process(self) -> tuple[int, int, int]:
-        """This process's rank and world size in torch.distributed, and the data-parallel size."""
-        distributed.init_distributed(self.config.engine.dist_backend, self.config.engine.collective_timeout_s)
-        return distributed.rank(), distributed.world_size(), distributed.world_size()
+    def place_process(self) -> tuple[int, int, int, int]:
+        """This process's rank in torch.distributed, its data-parallel rank, the data-parallel
+        size (world / engine.sequence_parallel_size), and how many processes load a share of
+        each global batch (every data-parallel rank here)."""
+        engine = self.config.engine
+        distributed.init_distributed(engine.dist_backend, engine.collective_timeout_s)
+        dp_rank, dp_size, _ = distributed.sequence_parallel_layout(engine.sequence_parallel_size)
+        return distributed.rank(), dp_rank, dp_size, dp_size
 
     def launch_description(self) -> str:
         return distributed.launch_description()
@@ -152,8 +160,8 @@ class SFTTrainer:
         return worker
 
     def build_sampler(self):
-        return training_sampler(self.train_dataset, self.config.data.mixture_weights(), self.world_size, self.rank,
-                                self.config.data.shuffle, self.config.trainer.seed)
+        return training_sampler(self.train_dataset, self.config.data.mixture_weights(), self.loading_ranks,
+                                self.dp_rank, self.config.data.shuffle, self.config.trainer.seed)
 
     def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()
@@ -272,8 +280,9 @@ class SFTTrainer:
 
     def validate(self) -> dict:
         """val/loss: the token-mean NLL over the whole validation set (every sequence exactly
-        once); with several validation sources also val/loss/<name> over each one's tokens."""
-        indices = list(range(self.rank, len(self.val_dataset), self.world_size))
+        once; with sequence parallelism each SP rank adds its slices' share of it); with several
+        validation sources also val/loss/<name> over each one's tokens."""
+        indices = list(range(self.dp_rank, len(self.val_dataset), self.loading_ranks))
         chunks = [indices[i:i + self.batch_per_rank] for i in range(0, len(indices), self.batch_per_rank)]
         n_chunks = distributed.all_reduce_max(len(chunks))
         names = self.val_dataset.names

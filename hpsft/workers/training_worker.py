@@ -3,6 +3,9 @@
 The same class runs in-process under torchrun/deepspeed/srun and inside a Ray actor. It
 takes this rank's share of a global batch (a jagged TensorDict), splits it into
 micro-batches (as many as every other rank runs), and returns plain Python metrics.
+With sequence parallelism the SP ranks of a group get the same share, plan the same
+packed rows and each trains its own token slice of every row (data/sequence_split.py);
+every count it returns is then its slice's share, so that sums over all ranks stay right.
 """
 
 import contextlib
@@ -15,11 +18,14 @@ import torch
 from hpsft import distributed
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
+from hpsft.data.sequence_split import real_tokens, split_row
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
+from hpsft.models.tiled_mlp import tile_mlps
+from hpsft.models.ulysses_attention import check_heads
 from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
 from hpsft.profiling import StepProfiler
 from hpsft.progress import progress_bar
@@ -76,6 +82,8 @@ class TrainingWorker:
         self.n_sources = len(data_config.train_files)  # per-source losses are summed when more than one
         self.loss_fn: Callable = token_mean_loss
         self.profiler: StepProfiler | None = None  # while trainer.profile_steps are running on this rank
+        self.sp_size = engine_config.sequence_parallel_size
+        self.sp_rank = 0  # set in init_model, once the process group exists
 
     def init_model(self) -> None:
         cfg = self.model_config
@@ -84,6 +92,7 @@ class TrainingWorker:
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
                             zero3_config=self.engine.deepspeed_config() if zero3 else None)
         check_supported(lm, lm.config._attn_implementation)
+        check_heads(lm.config, self.sp_size)  # before DeepSpeed: a refusal costs nothing yet
         if not zero3:
             verify_packed_training(lm)  # in fp32, before DeepSpeed casts the weights for bf16
         if cfg.lora.rank:
@@ -96,15 +105,20 @@ class TrainingWorker:
         self.body_params, self.head_params = flop_counts(lm)  # frozen weights count less (no weight gradient)
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
-        self.engine.initialize(
-            PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
-        )
+        packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
+        self.engine.initialize(packed)
         if zero3:  # a partitioned model runs only once the engine gathers each layer as it runs
             # In the engine's dtype: with bf16 weights the packed and the eager path round
             # differently (relative log-prob error 6.6e-3 measured on SmolLM2), while packed
             # documents attending to each other move logits by ~0.5 (PLATFORM-NOTES.md).
             tolerance = 2e-2 if self.engine_config.dtype == "bfloat16" else 1e-4
             verify_packed_training(lm, tolerance, gathered=self.engine.gathered)
+        if cfg.tiled_mlp_tokens is not None:  # after the checks above, which compare with the untiled model
+            tile_mlps(lm, cfg.tiled_mlp_tokens)
+        if self.sp_size > 1:  # after the whole-row checks above, which run without the group
+            _, _, self.sp_rank = distributed.sequence_parallel_layout(self.sp_size)
+            packed.enable_sequence_parallel(distributed.sequence_parallel_group(self.sp_size), self.sp_size,
+                                            self.sp_rank)
         if self.peak_flops_per_device is not None:
             self.peak = PeakFlops.configured(self.peak_flops_per_device)
         else:
@@ -127,12 +141,16 @@ class TrainingWorker:
         self.loss_fn = token_mean_loss
 
     def micro_batches(self, batch) -> tuple[list, list[list[int]]]:
-        """This rank's micro-batches (packed rows) and the sample positions in each."""
+        """This rank's micro-batches (packed rows, or this SP rank's slices of them) and the
+        sample positions in each."""
         lengths = seqlens(batch).tolist()
         mbs, budget = self.data_config.micro_batch_size_per_gpu, self.data_config.max_tokens_per_micro_batch
         count = distributed.all_reduce_max(min_micro_batches(lengths, mbs, budget))
         bins = plan_micro_batches(lengths, count, mbs, budget)
-        return [packed_row(select(batch, b)) for b in bins], bins
+        rows = [packed_row(select(batch, b)) for b in bins]
+        if self.sp_size > 1:
+            rows = [split_row(row, self.sp_rank, self.sp_size) for row in rows]
+        return rows, bins
 
     def train_batch(self, batch, global_loss_tokens: int | None = None) -> dict:
         """One optimizer step on this rank's share of the global batch.
@@ -143,8 +161,8 @@ class TrainingWorker:
         maybe_fail(self.engine.engine.global_steps + 1)
         lengths = seqlens(batch).tolist()
         local_loss_tokens = loss_token_count(batch)
-        if global_loss_tokens is None:
-            global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0])
+        if global_loss_tokens is None:  # the SP ranks of a group hold the same share: counted once
+            global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0]) // self.sp_size
         rows, bins = self.micro_batches(batch)
         if self.n_sources > 1:
             rows = [{**row, "sequence_nll": True} for row in rows]
@@ -152,12 +170,14 @@ class TrainingWorker:
         with self.profiler.annotate_step() if self.profiler else contextlib.nullcontext():
             result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
         seconds = time.perf_counter() - start
+        # An SP rank does 1/SP of its group's work (attention included: its share of the heads).
         flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
-                            local_loss_tokens)
+                            local_loss_tokens) / self.sp_size
         outputs = result["outputs"]
         nll_sum = sum(float(o["nll"]) for o in outputs)
+        loss_tokens = sum(int(o["n_tokens"]) for o in outputs)  # this rank's (with SP: its slices')
         source_nll_sums, source_loss_tokens = (self.source_sums(batch, bins, outputs) if self.n_sources > 1
-                                               else ([nll_sum], [local_loss_tokens]))
+                                               else ([nll_sum], [loss_tokens]))
         return {
             "objective_sum": sum(float(o["loss"]) for o in outputs),
             "nll_sum": nll_sum,
@@ -167,8 +187,8 @@ class TrainingWorker:
             # token-weighted over micro-batches, as the objective weighs it
             "router_aux_loss_sum": sum(float(o["router_aux_loss"]) * int(o["n_tokens"]) for o in outputs),
             "correct_tokens": sum(int(o["correct"]) for o in outputs),
-            "loss_tokens": local_loss_tokens,
-            "tokens": sum(lengths),
+            "loss_tokens": loss_tokens,
+            "tokens": sum(real_tokens(sum(lengths[i] for i in b), self.sp_rank, self.sp_size) for b in bins),
             "computed_tokens": sum(r["input_ids"].numel() for r in rows),
             "micro_batches": len(rows),
             "flops": flops,
@@ -203,7 +223,8 @@ class TrainingWorker:
             self.profiler = None
 
     def infer_batch(self, batch) -> dict:
-        """Per-sequence NLL sums and loss-token counts (no gradients), in the batch's order."""
+        """Per-sequence NLL sums and loss-token counts (no gradients), in the batch's order; with
+        sequence parallelism this rank's share of them (its slices'), which add up over the group."""
         n = batch.batch_size[0]
         nll_sums = torch.zeros(n, dtype=torch.float64)
         loss_tokens = torch.zeros(n, dtype=torch.int64)
