@@ -55,7 +55,13 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         connect(config.ray.address)  # before anything imports ray (its settings are read at import)
-        from hpsft.ray import RaySFTTrainer, WorkerFailedError, WorkerLostError
+    except UserInputError as err:  # a ConfigError is one
+        return report_user_error(err)
+    # After connect(), outside its try: an error there must not reach an except clause naming
+    # classes not imported yet (it became an UnboundLocalError).
+    from hpsft.ray import RaySFTTrainer, WorkerFailedError, WorkerLostError
+
+    try:
         trainer = RaySFTTrainer(config)
         try:
             trainer.fit()
