@@ -158,7 +158,8 @@ class TrainerConfig:
     log_every: int = 1
     export_hf: bool = True  # write the final model as a Hugging Face folder in <output_dir>/hf
     progress_bar: bool = True
-    peak_flops_per_device: Optional[float] = None  # MFU denominator; measured (a GEMM) at start-up when unset
+    # MFU denominator; unset: a known GPU's dense datasheet peak (hpsft/perf.py), else a GEMM measured at start-up
+    peak_flops_per_device: Optional[float] = None
 
     def __post_init__(self):
         check_positive("trainer", "total_epochs", self.total_epochs)

@@ -18,7 +18,7 @@ from hpsft.engine import DeepSpeedEngine
 from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
-from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
+from hpsft.perf import device_peak, flop_counts, model_flops
 from hpsft.workers.fault_hook import maybe_fail
 
 
@@ -78,16 +78,10 @@ class TrainingWorker:
             # documents attending to each other move logits by ~0.5 (PLATFORM-NOTES.md).
             tolerance = 2e-2 if self.engine_config.dtype == "bfloat16" else 1e-4
             verify_packed_training(lm, tolerance, gathered=self.engine.gathered)
-        if self.peak_flops_per_device is not None:
-            self.peak = PeakFlops.configured(self.peak_flops_per_device)
-        else:
-            dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
-            rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
-            shape = (rows, lm.config.hidden_size, lm.config.intermediate_size)
-            self.peak = PeakFlops.measured(
-                lambda: measure_matmul_peak(*shape, dtype, self.engine.device),
-                f"median GEMM {'x'.join(map(str, shape))} {dtype} on {self.engine.device}",
-            )
+        dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
+        rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
+        self.peak = device_peak(self.peak_flops_per_device, self.engine.device, dtype,
+                                (rows, lm.config.hidden_size, lm.config.intermediate_size))
         if distributed.rank() == 0:
             print(f"hpsft: MFU peak per device: {self.peak.source}", flush=True)
 
