@@ -7,7 +7,6 @@ neighbour slows them alike:
   zero2        the default engine
   zero0        no ZeRO (the baseline ZeRO-2 on one rank should match)
   zero2-adamw  ZeRO-2 with torch's single-tensor AdamW (before the fused one)
-  zero2-compile  ZeRO-2 with every decoder layer under torch.compile (dynamic shapes)
 
 Each engine call is timed (forward, backward, step) and, inside them, DeepSpeed's gradient
 reduction hooks (backward: copies into its bucket and flat gradient partition), the gradient
@@ -19,7 +18,7 @@ trainer counts them) over a GEMM peak of the model's MLP shape measured in this 
 (before and after the steps; the larger reading).
 
     python benchmarks/bench_train_step.py [--batches 4,8,16,32] [--compare 8,32] [--steps 3]
-        [--variants zero2,zero0,zero2-adamw,zero2-compile] [--model DIR] [--data FILE]
+        [--variants zero2,zero0,zero2-adamw] [--model DIR] [--data FILE]
 
 Every engine holds ~4-5 GB (fp32 weights, ZeRO's fp32 copy, AdamW moments, gradient
 buffers): on a small machine run two variants per process.
@@ -35,7 +34,7 @@ import torch
 
 from bench_packing import load_sequences
 
-VARIANTS = ("zero2", "zero0", "zero2-adamw", "zero2-compile")
+VARIANTS = ("zero2", "zero0", "zero2-adamw")
 PARTS = ("forward", "backward", "zero_reduce", "grad_norm_clip", "optimizer", "step", "total")
 
 
@@ -68,11 +67,7 @@ def build_engine(variant: str, model: str):
             return optimizer
 
     engine = Variant(EngineConfig(zero_stage=0 if variant == "zero0" else 2), OptimConfig(), total_steps=1000)
-    lm = load_causal_lm(model)
-    if variant == "zero2-compile":
-        for layer in lm.model.layers:
-            layer.compile(dynamic=True)
-    engine.initialize(PackedCausalLM(lm))
+    engine.initialize(PackedCausalLM(load_causal_lm(model)))
     times = defaultdict(float)
     ds = engine.engine
     timed(ds, "forward", "forward", times)
@@ -154,7 +149,7 @@ def main() -> None:
                 continue
             times.clear()
             engine.train_batch(micro_batches, loss_fn)
-            if (variant, size) not in warmed:  # the first step of each size warms up (and compiles)
+            if (variant, size) not in warmed:  # the first step of each size warms up
                 warmed.add((variant, size))
                 continue
             flops = model_flops(body, head, cfg.num_hidden_layers, cfg.hidden_size, lengths, loss_tokens)
