@@ -1,5 +1,6 @@
 """Throughput accounting: model FLOPs of a packed step and a measured matmul peak for MFU."""
 
+import re
 import statistics
 import time
 import warnings
@@ -66,6 +67,54 @@ def measure_matmul_peak(rows: int, hidden_size: int, intermediate_size: int, dty
     return statistics.median(rates)
 
 
+# Dense (no 2:4 sparsity) peak FLOP/s of known accelerators by the dtype their matmuls run in,
+# from the vendors' datasheets, which print the sparse figure for tensor-core formats (marked
+# "with sparsity"): those are halved here. fp32 is the CUDA-core (non-tensor) rate.
+#   H100 SXM5 / H200: nvidia.com/en-us/data-center/h100/ and /h200/ (tech specs table):
+#     FP32 67 TF, TF32 989 TF*, BF16/FP16 1,979 TF* (* with sparsity)
+#   H100 NVL, H200 NVL: same tables: FP32 60 TF, TF32 835 TF*, BF16/FP16 1,671 TF*
+#   H100 PCIe: "NVIDIA H100 Tensor Core GPU" datasheet: FP32 51 TF, TF32 756 TF*, BF16/FP16 1,513 TF*
+#   A100 (SXM4 and PCIe): nvidia.com/en-us/data-center/a100/: FP32 19.5 TF, TF32 156 TF,
+#     BF16/FP16 312 TF (dense; 312 / 624 with sparsity)
+#   L40S: nvidia.com/en-us/data-center/l40s/: FP32 91.6 TF, TF32 366 TF*, BF16/FP16 733 TF*
+#   L4: nvidia.com/en-us/data-center/l4/: FP32 30.3 TF, TF32 120 TF*, BF16/FP16 242 TF*
+#   A10 / A10G: nvidia.com/en-us/data-center/products/a10-gpu/: FP32 31.2 TF, TF32 125 TF*,
+#     BF16/FP16 250 TF*
+# A key matches torch.cuda.get_device_name() where it appears not followed by a letter or digit
+# ("NVIDIA H100 80GB HBM3" is the SXM part; "NVIDIA A100-SXM4-80GB"; "A10" is not "A10G", whose
+# peak is not published the same way), tried in this order: the more specific first.
+TF = 1e12
+DATASHEET_DENSE_PEAKS = {
+    "H200 NVL": {"float32": 60 * TF, "tf32": 417.5 * TF, "bfloat16": 835.5 * TF, "float16": 835.5 * TF},
+    "H100 NVL": {"float32": 60 * TF, "tf32": 417.5 * TF, "bfloat16": 835.5 * TF, "float16": 835.5 * TF},
+    "H100 PCIe": {"float32": 51 * TF, "tf32": 378 * TF, "bfloat16": 756.5 * TF, "float16": 756.5 * TF},
+    "H100": {"float32": 67 * TF, "tf32": 494.5 * TF, "bfloat16": 989.5 * TF, "float16": 989.5 * TF},
+    "H200": {"float32": 67 * TF, "tf32": 494.5 * TF, "bfloat16": 989.5 * TF, "float16": 989.5 * TF},
+    "A100": {"float32": 19.5 * TF, "tf32": 156 * TF, "bfloat16": 312 * TF, "float16": 312 * TF},
+    "L40S": {"float32": 91.6 * TF, "tf32": 183 * TF, "bfloat16": 366.5 * TF, "float16": 366.5 * TF},
+    "L4": {"float32": 30.3 * TF, "tf32": 60 * TF, "bfloat16": 121 * TF, "float16": 121 * TF},
+    "A10": {"float32": 31.2 * TF, "tf32": 62.5 * TF, "bfloat16": 125 * TF, "float16": 125 * TF},
+}
+
+
+def matmul_dtype_name(dtype: torch.dtype) -> str:
+    """The format a GEMM of this dtype runs in on CUDA: fp32 matmuls run as TF32 when torch
+    allows it (torch.set_float32_matmul_precision("high"/"medium"))."""
+    if dtype == torch.float32:
+        return "float32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return str(dtype).removeprefix("torch.")
+
+
+def datasheet_peak(device_name: str, dtype: torch.dtype) -> tuple[float, str] | None:
+    """(dense peak FLOP/s, which entry) of a known accelerator, or None."""
+    for key, peaks in DATASHEET_DENSE_PEAKS.items():
+        if re.search(re.escape(key) + "(?![0-9A-Za-z])", device_name):
+            fmt = matmul_dtype_name(dtype)
+            if fmt in peaks:
+                return peaks[fmt], f"{key} {fmt}"
+    return None
+
+
 class PeakFlops:
     """One device's MFU denominator, where it came from, and the guarantee MFU <= 1.
 
@@ -86,6 +135,15 @@ class PeakFlops:
     @classmethod
     def configured(cls, value: float) -> "PeakFlops":
         return cls(value, f"trainer.peak_flops_per_device = {value:.4g} FLOP/s")
+
+    @classmethod
+    def datasheet(cls, device_name: str, dtype: torch.dtype) -> "PeakFlops | None":
+        """A known accelerator's dense datasheet peak (DATASHEET_DENSE_PEAKS), or None."""
+        known = datasheet_peak(device_name, dtype)
+        if known is None:
+            return None
+        value, entry = known
+        return cls(value, f"datasheet dense peak of {device_name} ({entry}): {value:.4g} FLOP/s")
 
     @classmethod
     def measured(cls, measure: Callable[[], float], what: str) -> "PeakFlops":
@@ -111,3 +169,20 @@ class PeakFlops:
                 )
             self.value, self.raised = achieved, True
         return self.value
+
+
+def device_peak(configured: float | None, device: torch.device, dtype: torch.dtype, gemm_shape: tuple[int, int, int],
+                device_name: str | None = None) -> PeakFlops:
+    """One device's MFU denominator: trainer.peak_flops_per_device when set, else a known
+    accelerator's dense datasheet peak for the dtype, else (a CPU, an unknown accelerator) the
+    median rate of a GEMM of `gemm_shape` (rows, hidden, intermediate: the model's MLP)
+    measured on the device. `device_name` defaults to what torch reports for a GPU."""
+    if configured is not None:
+        return PeakFlops.configured(configured)
+    if device_name is None and device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    known = PeakFlops.datasheet(device_name, dtype) if device_name else None
+    if known is not None:
+        return known
+    return PeakFlops.measured(lambda: measure_matmul_peak(*gemm_shape, dtype, device),
+                              f"median GEMM {'x'.join(map(str, gemm_shape))} {dtype} on {device}")

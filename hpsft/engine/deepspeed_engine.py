@@ -128,7 +128,9 @@ class DeepSpeedEngine(TrainEngine):
         return {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": self.optim.grad_clip,
+            # Without ZeRO the engine clips by the norm it reports (clip_unsharded_grads):
+            # DeepSpeed's own clipping would take the norm a second time, plus a collective.
+            "gradient_clipping": self.optim.grad_clip if self.config.zero_stage > 0 else 0.0,
             "zero_optimization": zero,
             "bf16": {"enabled": self.config.dtype == "bfloat16"},
             # bf16 weights and activations, but gradients accumulated over micro-batches and
@@ -186,7 +188,7 @@ class DeepSpeedEngine(TrainEngine):
             loss = loss_fn(out)
             self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
             outputs.append(detached(out))
-        unsharded_norm = self.unsharded_grad_norm() if self.config.zero_stage == 0 else None
+        unsharded_norm = self.clip_unsharded_grads() if self.config.zero_stage == 0 else None
         if unsharded_norm is not None and not math.isfinite(unsharded_norm):
             # ZeRO 1-3 skip a step whose gradient norm is NaN/Inf, leaving weights, optimizer
             # state and LR schedule as they were; without ZeRO DeepSpeed would apply it.
@@ -200,11 +202,15 @@ class DeepSpeedEngine(TrainEngine):
             "lr": lr,
         }
 
-    def unsharded_grad_norm(self) -> float:
-        """Without ZeRO, DeepSpeed clips but does not report the norm: the grads are whole
-        (already all-reduced) on every rank, so take it before step() clears them."""
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads))
+    def clip_unsharded_grads(self) -> float:
+        """Without ZeRO the grads are whole (already all-reduced) on every rank: one pass takes
+        the global norm, reported and clipped by (max_norm / (norm + 1e-6), as DeepSpeed clips),
+        before step() clears them. A non-finite norm is returned unclipped."""
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.optim.grad_clip > 0 and torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm)
+        return float(norm)
 
     @torch.no_grad()
     def infer_batch(self, micro_batches) -> list:

@@ -26,7 +26,7 @@ from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.models.ulysses_attention import check_heads
-from hpsft.perf import PeakFlops, flop_counts, measure_matmul_peak, model_flops
+from hpsft.perf import device_peak, flop_counts, model_flops
 from hpsft.profiling import StepProfiler
 from hpsft.progress import progress_bar
 from hpsft.workers.fault_hook import maybe_fail
@@ -119,16 +119,10 @@ class TrainingWorker:
             _, _, self.sp_rank = distributed.sequence_parallel_layout(self.sp_size)
             packed.enable_sequence_parallel(distributed.sequence_parallel_group(self.sp_size), self.sp_size,
                                             self.sp_rank)
-        if self.peak_flops_per_device is not None:
-            self.peak = PeakFlops.configured(self.peak_flops_per_device)
-        else:
-            dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
-            rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
-            shape = (rows, lm.config.hidden_size, lm.config.intermediate_size)
-            self.peak = PeakFlops.measured(
-                lambda: measure_matmul_peak(*shape, dtype, self.engine.device),
-                f"median GEMM {'x'.join(map(str, shape))} {dtype} on {self.engine.device}",
-            )
+        dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
+        rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
+        self.peak = device_peak(self.peak_flops_per_device, self.engine.device, dtype,
+                                (rows, lm.config.hidden_size, lm.config.intermediate_size))
         if distributed.rank() == 0:
             print(f"hpsft: MFU peak per device: {self.peak.source}", flush=True)
 

@@ -1,0 +1,195 @@
+"""Where a CPU training step's time goes: the default engine on the full model, step by step.
+
+The full SmolLM2-135M in fp32, one process, the default engine (ZeRO-2) and data settings
+(micro-batches of 8 conversations), optimizer steps of N chatterbot conversations. Several
+engine variants live in one process and take turns on the same batches, so a busy
+neighbour slows them alike:
+  zero2        the default engine
+  zero0        no ZeRO (the baseline ZeRO-2 on one rank should match)
+  zero2-adamw  ZeRO-2 with torch's single-tensor AdamW (before the fused one)
+
+Each engine call is timed (forward, backward, step) and, inside them, DeepSpeed's gradient
+reduction hooks (backward: copies into its bucket and flat gradient partition), the gradient
+norm and clipping (inside step() under ZeRO, before it without), and the AdamW step; the
+rest of step() is, under ZeRO, flattening the gradients and copying the fp32 partition
+back into the model's weights. "other": the rest of train_batch (zero_grad, the LR). The fixed per-step cost is the intercept a of step time = a + b * tokens,
+fitted over the default engine's steps of every batch size. MFU is model FLOPs (as the
+trainer counts them) over a GEMM peak of the model's MLP shape measured in this run
+(before and after the steps; the larger reading).
+
+    python benchmarks/bench_train_step.py [--batches 4,8,16,32] [--compare 8,32] [--steps 3]
+        [--variants zero2,zero0,zero2-adamw] [--model DIR] [--data FILE]
+
+Every engine holds ~4-5 GB (fp32 weights, ZeRO's fp32 copy, AdamW moments, gradient
+buffers): on a small machine run two variants per process.
+"""
+
+import argparse
+import functools
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from bench_packing import load_sequences
+
+VARIANTS = ("zero2", "zero0", "zero2-adamw")
+PARTS = ("forward", "backward", "zero_reduce", "grad_norm_clip", "optimizer", "step", "total")
+
+
+def timed(obj, name: str, part: str, times: dict) -> None:
+    """Replace obj.name by a wrapper adding its wall time to times[part]."""
+    inner = getattr(obj, name)
+
+    @functools.wraps(inner)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            times[part] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def build_engine(variant: str, model: str):
+    from hpsft.config.schema import EngineConfig, OptimConfig
+    from hpsft.engine.deepspeed_engine import DeepSpeedEngine
+    from hpsft.models import PackedCausalLM, load_causal_lm
+
+    class Variant(DeepSpeedEngine):
+        def build_optimizer(self, module):
+            optimizer = super().build_optimizer(module)
+            if variant == "zero2-adamw":
+                for group in optimizer.param_groups:
+                    group["fused"] = False  # read at every step()
+            return optimizer
+
+    engine = Variant(EngineConfig(zero_stage=0 if variant == "zero0" else 2), OptimConfig(), total_steps=1000)
+    engine.initialize(PackedCausalLM(load_causal_lm(model)))
+    times = defaultdict(float)
+    ds = engine.engine
+    timed(ds, "forward", "forward", times)
+    timed(ds, "backward", "backward", times)
+    timed(ds, "step", "step", times)
+    timed(engine, "train_batch", "total", times)
+    zero = ds.optimizer if variant != "zero0" else None
+    torch_optimizer = zero.optimizer if zero is not None else ds.optimizer
+    timed(torch_optimizer, "step", "optimizer", times)
+    if zero is not None:  # hooks and epilogue of the gradient reduction; norm; clip
+        timed(zero, "reduce_independent_p_g_buckets_and_remove_grads", "zero_reduce", times)
+        timed(zero, "overlapping_partition_gradients_reduce_epilogue", "zero_reduce", times)
+        timed(zero, "scaled_global_norm", "grad_norm_clip", times)
+        timed(zero, "unscale_and_clip_grads", "grad_norm_clip", times)
+    else:
+        timed(engine, "clip_unsharded_grads", "grad_norm_clip", times)
+    return engine, times
+
+
+def gemm_peak(lm_config) -> float:
+    from hpsft.config.schema import DataConfig
+    from hpsft.perf import measure_matmul_peak
+
+    rows = min(DataConfig().max_tokens_per_micro_batch or 2048, 4096)  # as the trainer measures it
+    return measure_matmul_peak(rows, lm_config.hidden_size, lm_config.intermediate_size, torch.float32,
+                               torch.device("cpu"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=".cache/models/smollm2-135m")
+    parser.add_argument("--data", default=".cache/data/chatterbot/train.parquet")
+    parser.add_argument("--batches", default="4,8,16,32", help="conversations per step for the default engine's fit")
+    parser.add_argument("--compare", default="8,32", help="conversations per step every variant runs")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per variant and size (after a warm-up)")
+    parser.add_argument("--variants", default="zero2,zero0,zero2-adamw")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if variants[0] != "zero2" or not set(variants) <= set(VARIANTS):
+        parser.error(f"--variants: zero2 first, then any of {', '.join(VARIANTS[1:])}")
+
+    from hpsft import distributed
+    from hpsft.config.schema import DataConfig
+    from hpsft.data.batch import collate_jagged, loss_token_count, packed_row, select, seqlens
+    from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
+    from hpsft.perf import flop_counts, model_flops
+
+    torch.manual_seed(0)
+    distributed.init_distributed()
+    fit_sizes = [int(n) for n in args.batches.split(",")]
+    compare_sizes = [int(n) for n in args.compare.split(",")]
+    sizes = sorted(set(fit_sizes) | set(compare_sizes))
+    # Each size's steps take consecutive conversations, different for every step.
+    samples = load_sequences(args.data, args.model, sum(sizes) * (args.steps + 1))
+    data = DataConfig()
+    steps = []  # (size, micro-batches, lengths, loss tokens), in the order they run
+    position = 0
+    for size in sizes:
+        for _ in range(args.steps + 1):
+            batch = collate_jagged(samples[position:position + size])
+            position += size
+            lengths = seqlens(batch).tolist()
+            count = min_micro_batches(lengths, data.micro_batch_size_per_gpu, data.max_tokens_per_micro_batch)
+            bins = plan_micro_batches(lengths, count, data.micro_batch_size_per_gpu, data.max_tokens_per_micro_batch)
+            steps.append((size, [packed_row(select(batch, b)) for b in bins], lengths, loss_token_count(batch)))
+
+    engines = {variant: build_engine(variant, args.model) for variant in variants}
+    lm = engines["zero2"][0].module.lm
+    body, head = flop_counts(lm)
+    cfg = lm.config
+    peak_before = gemm_peak(cfg)
+
+    loss_fn = lambda out: out["loss"] / out["n_tokens"].clamp_min(1)  # noqa: E731
+    rows = defaultdict(list)  # (variant, size) -> [per-step dict]
+    warmed = set()
+    for size, micro_batches, lengths, loss_tokens in steps:
+        for variant, (engine, times) in engines.items():
+            if variant != "zero2" and size not in compare_sizes:
+                continue
+            times.clear()
+            engine.train_batch(micro_batches, loss_fn)
+            if (variant, size) not in warmed:  # the first step of each size warms up
+                warmed.add((variant, size))
+                continue
+            flops = model_flops(body, head, cfg.num_hidden_layers, cfg.hidden_size, lengths, loss_tokens)
+            rows[variant, size].append({**times, "tokens": sum(lengths), "flops": flops})
+    peak = max(peak_before, gemm_peak(cfg))
+
+    n_params = sum(p.numel() for p in lm.parameters())
+    print(f"model={args.model} ({n_params / 1e6:.1f}M parameters, fp32), 1 rank, micro-batches of "
+          f"{data.micro_batch_size_per_gpu} conversations, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; medians of {args.steps} steps after a warm-up; GEMM peak "
+          f"{peak_before / 1e9:.0f} / {peak / 1e9:.0f} GFLOP/s (before / max)")
+    print("| variant | conv. | tokens | step s | forward | backward | of which ZeRO reduce | step() | "
+          "grad norm+clip | AdamW | rest of step() | other | MFU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    medians = {}
+    for (variant, size), measured in sorted(rows.items(), key=lambda kv: (kv[0][1], variants.index(kv[0][0]))):
+        m = {part: statistics.median(r.get(part, 0.0) for r in measured) for part in (*PARTS, "tokens", "flops")}
+        medians[variant, size] = m
+        # ZeRO-2 takes the norm and clips inside step(); without ZeRO the engine does, before it.
+        norm_in_step = m["grad_norm_clip"] if variant != "zero0" else 0.0
+        copies = m["step"] - norm_in_step - m["optimizer"]
+        other = m["total"] - m["forward"] - m["backward"] - m["step"] - (m["grad_norm_clip"] - norm_in_step)
+        print(f"| {variant} | {size} | {m['tokens']:.0f} | {m['total']:.2f} | {m['forward']:.2f} | "
+              f"{m['backward']:.2f} | {m['zero_reduce']:.3f} | {m['step']:.3f} | {m['grad_norm_clip']:.3f} | "
+              f"{m['optimizer']:.3f} | {copies:.3f} | {other:.3f} | {m['flops'] / m['total'] / peak:.1%} |")
+
+    fit = [(r["tokens"], r["total"]) for (variant, size), measured in rows.items()
+           if variant == "zero2" and size in fit_sizes for r in measured]
+    mean_t = statistics.fmean(t for t, _ in fit)
+    mean_s = statistics.fmean(s for _, s in fit)
+    b = sum((t - mean_t) * (s - mean_s) for t, s in fit) / sum((t - mean_t) ** 2 for t, _ in fit)
+    a = mean_s - b * mean_t
+    print(f"fixed per-step cost (zero2, step s = a + b * tokens over {len(fit)} steps of {args.batches} "
+          f"conversations): a = {a:.3f} s, b = {b * 1e3:.2f} ms/token; a is {a / (a + b * 500):.0%} of a "
+          f"500-token step")
+    for variant in variants[1:]:
+        for size in compare_sizes:
+            ratio = medians["zero2", size]["total"] / medians[variant, size]["total"]
+            print(f"{size} conversations: zero2 step time / {variant} = {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
