@@ -42,7 +42,7 @@ class LossConfig:
     token_accuracy: bool = False  # log train/token_accuracy (re-runs the LM head on loss tokens, no grad)
 
     def __post_init__(self):
-        check_choice("loss", "backend", self.backend, {"auto", "cpp", "cuda", "triton", "torch"})
+        check_choice("loss", "backend", self.backend, {"auto", "cpp", "triton", "torch"})
         check_positive("loss", "z_loss_weight", self.z_loss_weight, allow_zero=True)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"loss.label_smoothing must be in [0, 1), got {self.label_smoothing}")
