@@ -37,7 +37,7 @@ LOGIT_BLOCK_BYTES = 128 * 2**20  # CPU: one (rows, V) block: large enough that d
 # in few passes (682 rows at V=49152 fp32), small next to materialised logits
 # GPU: the blocks (fp32 logits + 16-bit d(logits)) take at most this share of the free memory,
 # and at most GPU_MAX_CHUNK_ROWS rows: 4096 rows at V=128256 are 3 GiB, and d(weight) is then
-# read and written 8 times at 32k tokens (the GEMMs stay large enough for full tensor-core use).
+# read and written 8 times at 32k tokens (unmeasured: no GPU has been lent yet).
 GPU_BLOCK_SHARE_OF_FREE_MEMORY = 0.25
 GPU_MAX_CHUNK_ROWS = 4096
 LOW_PRECISION = (torch.bfloat16, torch.float16)
