@@ -2,8 +2,7 @@
 
 Metadata lives in pyproject.toml; this file only adds the optional extensions:
   hpsft.ops._varlen_ce_cpu   C++/OpenMP row kernel (csrc/varlen_ce_cpu.cpp), always tried
-  hpsft.ops._varlen_ce_cuda  CUDA row kernel (csrc/varlen_ce_cuda*.{cpp,cu}), only when torch
-                             is a CUDA build and nvcc is found
+(the GPU row kernel is Triton's, compiled by Triton at run time)
 Install with `pip install --no-build-isolation -e .` (the build needs the installed torch).
 If an extension cannot be built (no torch at build time, no compiler, HPSFT_BUILD_EXTENSIONS=0)
 the install still succeeds as pure Python: hpsft.ops then JIT-builds the C++ kernel into
@@ -31,17 +30,13 @@ def _extensions_and_commands():
     if os.environ.get("HPSFT_BUILD_EXTENSIONS", "1") == "0":
         return [], {}
     try:
-        import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         warnings.warn("torch is not importable at build time: installing hpsft without native kernels")
         return [], {}
 
     class OptionalBuildExtension(BuildExtension):
-        """A failed build leaves a pure-Python install (and a warning) instead of no install.
-
-        Extensions build in order, CPU first: a failing CUDA build keeps the CPU kernel.
-        """
+        """A failed build leaves a pure-Python install (and a warning) instead of no install."""
 
         def run(self):
             try:
@@ -58,8 +53,6 @@ def _extensions_and_commands():
             extra_link_args=build.cpu_link_args(),
         )
     ]
-    if torch.version.cuda is not None and CUDA_HOME is not None:
-        extensions.append(CUDAExtension(build.CUDA_EXTENSION, build.CUDA_SOURCES, extra_compile_args=build.cuda_compile_args()))
     return extensions, {"build_ext": OptionalBuildExtension}
 
 

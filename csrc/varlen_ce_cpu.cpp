@@ -77,27 +77,30 @@ RowResult<scalar_t> cross_entropy_row(scalar_t* z, int64_t vocab, int64_t label,
   constexpr scalar_t kMinusInf = -std::numeric_limits<scalar_t>::infinity();
   scalar_t running_max = kMinusInf;
   scalar_t running_sum = 0;
-  double logit_sum = 0;  // fp64 across chunks: the mean logit is compared with lse below
+  // Label smoothing spreads eps over the entries with a finite logit: a -inf logit (a masked
+  // vocabulary entry, not soft-capped) is not in the vocabulary the row chooses from.
+  double logit_sum = 0;  // of the finite logits; fp64 across chunks: the mean is compared with lse below
+  int64_t finite_count = 0;
   for (int64_t begin = 0; begin < vocab; begin += kVocabChunk) {
     const int64_t end = std::min(begin + kVocabChunk, vocab);
     scalar_t chunk_max = z[begin];
 #pragma omp simd reduction(max : chunk_max)
     for (int64_t j = begin; j < end; ++j) chunk_max = chunk_max > z[j] ? chunk_max : z[j];
-    if (chunk_max == kMinusInf) {
-      // A fully masked chunk (every logit -inf) adds nothing to the sum of exp, and
-      // z - chunk_max would be -inf - -inf = NaN.
-      logit_sum = kMinusInf;
-      continue;
-    }
+    // A fully masked chunk (every logit -inf) adds nothing, and z - chunk_max would be
+    // -inf - -inf = NaN.
+    if (chunk_max == kMinusInf) continue;
     // Within a chunk, sums of z - chunk_max stay small whatever the common logit offset.
     scalar_t chunk_sum = 0, chunk_shifted_sum = 0;
-#pragma omp simd reduction(+ : chunk_sum, chunk_shifted_sum)
+    int64_t chunk_count = 0;
+#pragma omp simd reduction(+ : chunk_sum, chunk_shifted_sum, chunk_count)
     for (int64_t j = begin; j < end; ++j) {
+      const bool finite = z[j] > kMinusInf;
       chunk_sum += exp_of(z[j] - chunk_max);
-      chunk_shifted_sum += z[j] - chunk_max;
+      chunk_shifted_sum += finite ? z[j] - chunk_max : scalar_t(0);
+      chunk_count += finite ? 1 : 0;
     }
-    const double chunk_logit_sum = chunk_shifted_sum + static_cast<double>(chunk_max) * static_cast<double>(end - begin);
-    logit_sum += chunk_logit_sum;
+    logit_sum += chunk_shifted_sum + static_cast<double>(chunk_max) * static_cast<double>(chunk_count);
+    finite_count += chunk_count;
     if (chunk_max > running_max) {
       running_sum = running_sum * std::exp(running_max - chunk_max) + chunk_sum;
       running_max = chunk_max;
@@ -108,28 +111,26 @@ RowResult<scalar_t> cross_entropy_row(scalar_t* z, int64_t vocab, int64_t label,
   const scalar_t lse = running_max + std::log(running_sum);
   const scalar_t target = z[label];
   const scalar_t zloss = lam * lse * lse;
-  const scalar_t mean_logit = static_cast<scalar_t>(logit_sum / static_cast<double>(vocab));
+  const scalar_t mean_logit = static_cast<scalar_t>(logit_sum / static_cast<double>(finite_count));
   // Written as differences against lse: with a large common logit offset, lse - target and
-  // lse - mean_logit are small numbers and must not be formed from large ones. Without
-  // smoothing the mean term is left out, not multiplied by 0: a -inf logit (a masked
-  // vocabulary entry) makes it infinite, and 0 * inf is NaN.
+  // lse - mean_logit are small numbers and must not be formed from large ones.
   const scalar_t smoothing_term = eps > 0 ? eps * (lse - mean_logit) : scalar_t(0);
   const scalar_t loss = (1 - eps) * (lse - target) + smoothing_term + zloss;
   const RowResult<scalar_t> result{loss, zloss, target - lse};
   if (!compute_grad) return result;
 
   const scalar_t p_factor = (1 + 2 * lam * lse) * scale;
-  const scalar_t uniform = eps / static_cast<scalar_t>(vocab) * scale;
+  const scalar_t uniform = eps / static_cast<scalar_t>(finite_count) * scale;  // on finite logits only
   const scalar_t target_slope = cap > 0 ? 1 - (target / cap) * (target / cap) : scalar_t(1);
   if (cap > 0) {
 #pragma omp simd
     for (int64_t j = 0; j < vocab; ++j) {
       const scalar_t slope = 1 - (z[j] / cap) * (z[j] / cap);
-      z[j] = (exp_of(z[j] - lse) * p_factor - uniform) * slope;
+      z[j] = (exp_of(z[j] - lse) * p_factor - uniform) * slope;  // z' = +-cap: always finite
     }
   } else {
 #pragma omp simd
-    for (int64_t j = 0; j < vocab; ++j) z[j] = exp_of(z[j] - lse) * p_factor - uniform;
+    for (int64_t j = 0; j < vocab; ++j) z[j] = exp_of(z[j] - lse) * p_factor - (z[j] > kMinusInf ? uniform : scalar_t(0));
   }
   z[label] -= (1 - eps) * target_slope * scale;
   return result;

@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
-# The GPU checks of hpsft.ops in one run (~8 minutes on one H200), from the repository root:
-#   1. environment: venv .venv-gpu, torch, hpsft, liger-kernel (each best effort, bounded)
-#   2. nvidia-smi and versions
-#   3. pytest tests/ops (CPU tests + tests/ops/test_gpu_backends.py)      -> exit status
-#   4. benchmarks/bench_varlen_ce.py --device cuda (the 60 %-of-peak target case)
-#   5. benchmarks/bench_packing.py --device cuda --sequences 256
-# Logs go to ${OUT:-gpu_results}/ (5 files: env.log tests.log bench_varlen_ce.log
-# bench_packing.log summary.txt). Exits non-zero when the tests fail or torch sees no GPU;
-# a failed benchmark is reported in summary.txt but does not change the exit status.
+# The GPU checks in one bounded run (<= 8 minutes on one GPU), from the repository root:
+#   1. environment: carried wheels, a best-effort venv, versions, nvidia-smi
+#   2. the GPU kernel tests: pytest tests/ops/test_gpu_backends.py       -> exit status
+#   3. the loss benchmark: benchmarks/bench_varlen_ce.py --device cuda (bf16, N = 8k and 32k,
+#      H = 4096, V = 128256: hpsft vs materialised logits, F.linear_cross_entropy, Liger)
+#   4. a bf16 training run of the default model (configs/sft.yaml's SmolLM2-135M, random
+#      weights of its architecture) with flash_attention_2 and with sdpa: losses equal within
+#      bf16 tolerance                                                       -> exit status
+#   5. a Ray run (python -m hpsft.train_ray) with one GPU actor            -> exit status
+# Every step runs under `timeout`, capped by what is left of GPU_CHECKS_BUDGET_S (470 s); a
+# step the budget no longer allows is reported as skipped. One table, ${OUT:-gpu_results}/table.md,
+# holds every step's result (read it first); each step's log sits next to it. Exit status: 0
+# when every check that ran passed; checks that cannot run (flash-attn or ray not importable)
+# are reported as skipped, not passed.
 #
 # Modes (environment variables):
 #   GPU_CHECKS_PREPARE=1  on the CPU machine, before lending the GPU: download the wheels the
 #                         GPU machine cannot fetch (it has no network) into .whl/ (git-ignored
 #                         through .git/info/exclude), then exit. Carry .whl in the device call.
-#   GPU_CHECKS_DRY_RUN=1  on a machine without GPU: skip the venv and nvidia-smi, use
-#                         .venv/bin/python, run the CPU-safe parts (tests with GPU tests
-#                         skipped, benchmarks on CPU at small sizes) to check this script's flow.
-# docs/ops.md ("GPU checks") has the exact device call.
+#   GPU_CHECKS_DRY_RUN=1  on a machine without GPU: .venv/bin/python, no venv, no nvidia-smi;
+#                         the same steps on CPU at small sizes (GPU tests skipped, the
+#                         benchmark's --quick shapes, the 2-layer model in fp32 with
+#                         hpsft_varlen in place of flash-attn) to check this script's flow;
+#                         every step's timeout (and the budget) times GPU_CHECKS_TIMEOUT_SCALE,
+#                         4 by default there (2 shared CPU cores are far slower than a GPU).
+# docs/ops.md ("GPU checks") has the exact device call. It has not run on a GPU yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,31 +47,57 @@ for ignored in /.venv-gpu/ /gpu_results/; do
     [[ -d .git/info ]] && ! grep -qx "$ignored" .git/info/exclude 2>/dev/null && echo "$ignored" >>.git/info/exclude
 done
 DRY_RUN="${GPU_CHECKS_DRY_RUN:-0}"
-# One JIT cache for pytest (tests/ops/conftest.py uses the same path) and the benchmark's
-# child processes, so the CUDA extension is compiled once per run.
+SCALE="${GPU_CHECKS_TIMEOUT_SCALE:-$([[ "$DRY_RUN" == 1 ]] && echo 4 || echo 1)}"
+DEADLINE=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-470} * SCALE))
+# Training runs write checkpoints (GBs): outside $OUT, whose files all travel back.
+RUNS_DIR="$(mktemp -d /tmp/hpsft_gpu_checks.XXXXXX)"
 export TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # hpsft imports from this tree even when the editable install below fails (offline).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Without network pip must fail in seconds, not retry for minutes.
 export PIP_RETRIES=0 PIP_TIMEOUT=10 PIP_DISABLE_PIP_VERSION_CHECK=1
-SUMMARY="$OUT_DIR/summary.txt"
-: >"$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY"; }
-step() {  # step NAME SECONDS LOG COMMAND...: run bounded, append to LOG, record the status
-    local name=$1 seconds=$2 log=$3
+TABLE="$OUT_DIR/table.md"
+printf '| check | result | seconds | detail |\n|---|---|---|---|\n' >"$TABLE"
+row() { echo "| $1 | $2 | $3 | ${4//|/\/} |" >>"$TABLE"; }  # a | in the detail would split the cell
+FAILED=0
+
+step() {  # step NAME SECONDS LOG COMMAND...: run under timeout (capped by the budget), log, status
+    local name=$1 seconds=$(($2 * SCALE)) log=$3
     shift 3
+    local left=$((DEADLINE - SECONDS))
+    ((seconds > left)) && seconds=$left
+    if ((seconds < 10)); then
+        echo "=== $name: skipped, out of budget" >>"$log"
+        return 125
+    fi
     echo "=== $name: $* (timeout ${seconds}s)" >>"$log"
     local start=$SECONDS
     timeout "$seconds" "$@" >>"$log" 2>&1
     local status=$?
-    note "$name: exit $status ($((SECONDS - start)) s)$([[ $status == 124 ]] && echo ', TIMED OUT')"
+    echo "=== $name: exit $status after $((SECONDS - start)) s$([[ $status == 124 ]] && echo ', TIMED OUT')" >>"$log"
     return $status
+}
+
+result() {  # result NAME STATUS START LOG DETAIL: the table row of a step's exit status
+    local name=$1 status=$2 seconds=$((SECONDS - $3)) log=$4 detail=$5
+    case $status in
+        0) row "$name" passed $seconds "$detail" ;;
+        125) row "$name" "skipped (out of budget)" 0 "$detail" ;;
+        124) row "$name" "FAILED (timed out)" $seconds "$detail; see $(basename "$log")"; FAILED=1 ;;
+        *) row "$name" "FAILED (exit $status)" $seconds "$detail; see $(basename "$log")"; FAILED=1 ;;
+    esac
+}
+
+check() {  # check NAME SECONDS LOG DETAIL COMMAND...: a step that is a row of the table
+    local name=$1 seconds=$2 log=$3 detail=$4 start=$SECONDS
+    shift 4
+    step "$name" "$seconds" "$log" "$@"
+    result "$name" $? $start "$log" "$detail"
 }
 
 ENV_LOG="$OUT_DIR/env.log"
 if [[ "$DRY_RUN" == 1 ]]; then
-    note "DRY RUN: no venv, no GPU; .venv/bin/python"
     PY=.venv/bin/python
     DEVICE=cpu
 else
@@ -71,27 +105,18 @@ else
     # Carried wheels (GPU_CHECKS_PREPARE=1) go to a folder on PYTHONPATH, so they serve
     # whichever interpreter runs below (.venv-gpu or the image's python3).
     if compgen -G ".whl/*.whl" >/dev/null; then
-        step carried-wheels 120 "$ENV_LOG" python3 -m pip install --no-index --no-deps --upgrade \
+        step carried-wheels 60 "$ENV_LOG" python3 -m pip install --no-index --no-deps --upgrade \
             --target .cache/gpu_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$PWD/.cache/gpu_site"
     fi
-    # The lent H200 has no network; its image's python3 (itself a venv, /opt/torch/.venv)
-    # holds a CUDA torch, triton, pytest and transformers. --system-site-packages exposes the
-    # base interpreter's packages, which may not include those: if .venv-gpu ends up without
-    # a working CUDA torch (pip could not reach an index), the image's python3 is used.
-    step venv 60 "$ENV_LOG" python3 -m venv --system-site-packages .venv-gpu
+    # The lent H200 has no network; its image's python3 holds a CUDA torch, triton, pytest and
+    # transformers. A venv on top of it gets hpsft's own dependencies where an index answers;
+    # where none does (pip fails in seconds), or its torch sees no GPU, the image's python3 runs.
+    step venv 40 "$ENV_LOG" python3 -m venv --system-site-packages .venv-gpu
     PY=.venv-gpu/bin/python
-    step pip-torch 180 "$ENV_LOG" "$PY" -m pip install torch==2.13.0
-    step pip-build-tools 60 "$ENV_LOG" "$PY" -m pip install setuptools wheel ninja
-    # flash-attn is deliberately absent ([dev] does not pull it; building it takes far too long).
-    # setup.py builds the C++ and CUDA extensions here; if the install cannot run, the tests
-    # JIT-build them into TORCH_EXTENSIONS_DIR instead.
-    step pip-hpsft 240 "$ENV_LOG" "$PY" -m pip install --no-build-isolation -e ".[dev]" ||
-        step pip-hpsft-no-deps 180 "$ENV_LOG" "$PY" -m pip install --no-build-isolation --no-deps -e .
-    "$PY" -c "import liger_kernel" 2>/dev/null ||
-        step pip-liger 90 "$ENV_LOG" "$PY" -m pip install liger-kernel
-    # A venv whose torch broke (e.g. an install cut off by its timeout) falls back to the image's.
+    step pip-hpsft 90 "$ENV_LOG" "$PY" -m pip install --no-build-isolation -e ".[dev]" ||
+        step pip-hpsft-no-deps 60 "$ENV_LOG" "$PY" -m pip install --no-build-isolation --no-deps -e .
     if ! "$PY" -c "import torch; assert torch.cuda.is_available()" >>"$ENV_LOG" 2>&1; then
-        note "torch in .venv-gpu does not see a GPU; falling back to the image's python3"
+        echo "torch in .venv-gpu does not see a GPU; using the image's python3" >>"$ENV_LOG"
         PY=python3
     fi
     timeout 30 nvidia-smi >>"$ENV_LOG" 2>&1
@@ -104,52 +129,107 @@ print("python", sys.version.split()[0], platform.machine(), sys.executable)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
-for name in ("triton", "liger_kernel", "transformers", "tensordict", "hpsft"):
+for name in ("triton", "flash_attn", "ray", "liger_kernel", "transformers", "deepspeed", "tensordict", "hpsft"):
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", "?"), getattr(module, "__file__", ""))
     except Exception as error:
-        print(name, "NOT importable:", error)
+        print(name, "NOT importable:", type(error).__name__, str(error)[:200])
 EOF
-grep -E '^(python|torch|device|triton|liger_kernel|transformers|tensordict|hpsft) ' "$ENV_LOG" | tee -a "$SUMMARY"
+row environment "-" "$SECONDS" "$(grep -E '^(torch|device|triton|flash_attn|ray) ' "$ENV_LOG" | awk '{print $1, ($2 == "NOT" ? "not importable" : $2)}' | tr '\n' ';')"
+has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 
 if [[ "$DEVICE" == cuda ]] && ! "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
-    note "FAIL: torch sees no CUDA device; the GPU tests would only be skipped"
+    row "GPU visible" FAILED 0 "torch sees no CUDA device: every GPU check would be skipped"
+    cat "$TABLE"
     exit 2
 fi
 
-# Tests: the exit status of this script. -rs lists why a backend was skipped.
-step pytest 330 "$OUT_DIR/tests.log" "$PY" -m pytest tests/ops -q -rs -p no:cacheprovider
-TEST_STATUS=$?
-tail -n 25 "$OUT_DIR/tests.log" | grep -E 'passed|failed|error|SKIPPED.*test_gpu' | tail -n 8 | tee -a "$SUMMARY"
+# 2. GPU kernel tests: a kernel that does not build fails them (never a skip on a GPU machine).
+start=$SECONDS
+step "GPU kernel tests" 150 "$OUT_DIR/tests.log" "$PY" -m pytest tests/ops/test_gpu_backends.py -q -rs -p no:cacheprovider
+result "GPU kernel tests" $? $start "$OUT_DIR/tests.log" \
+    "pytest tests/ops/test_gpu_backends.py: $(grep -Eo '[0-9]+ (passed|failed|skipped|errors?)' "$OUT_DIR/tests.log" | tr '\n' ' ')"
 
+# 3. Loss benchmark (each method cross-checked against fp64 before it is timed).
 BENCH_LOG="$OUT_DIR/bench_varlen_ce.log"
 if [[ "$DEVICE" == cuda ]]; then
-    # The target case (N=8192, H=4096, V=128256) and its chat-like variant (a third supervised).
-    step bench-varlen-ce 240 "$BENCH_LOG" "$PY" benchmarks/bench_varlen_ce.py --device cuda --repeats 5 \
-        --case 4096 128256 8192 1.0 --case 4096 128256 8192 0.3333
+    check "loss benchmark" 200 "$BENCH_LOG" "bench_varlen_ce.py --device cuda, N=8k and 32k, H=4096, V=128256" \
+        "$PY" benchmarks/bench_varlen_ce.py --device cuda --repeats 3
 else
-    step bench-varlen-ce 240 "$BENCH_LOG" "$PY" benchmarks/bench_varlen_ce.py --quick
+    check "loss benchmark" 200 "$BENCH_LOG" "bench_varlen_ce.py --quick (CPU)" "$PY" benchmarks/bench_varlen_ce.py --quick
 fi
-grep -E '^target|\| hpsft' "$BENCH_LOG" | tee -a "$SUMMARY"
 
-PACK_LOG="$OUT_DIR/bench_packing.log"
-MODEL=.cache/models/smollm2-135m-4l
+# 4. bf16 training of the default model, flash-attn vs sdpa. The full model's weights (514 MB)
+# exceed what a device call carries: random weights of its architecture (same time per token,
+# and the two attention paths must agree on any weights).
+TRAIN_LOG="$OUT_DIR/train.log"
+if [[ "$DEVICE" == cuda ]]; then
+    MODEL=.cache/models/smollm2-135m FAST=flash_attention_2 DTYPE=bfloat16 TOLERANCE=2e-2 STEPS=4
+else
+    MODEL=.cache/models/smollm2-135m-2l FAST=hpsft_varlen DTYPE=float32 TOLERANCE=1e-4 STEPS=2
+fi
 if [[ -f $MODEL/config.json && ! -f $MODEL/model.safetensors ]]; then
-    # The weights (166 MB) exceed what a device call carries (64 MiB); random weights of the
-    # same architecture cost the same time per token, which is all bench_packing measures.
-    step random-weights 120 "$PACK_LOG" "$PY" -c "
+    step random-weights 60 "$TRAIN_LOG" "$PY" -c "
 import sys
 from transformers import AutoConfig, AutoModelForCausalLM
 AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1])).save_pretrained(sys.argv[1])
 print('random weights written to', sys.argv[1])" "$MODEL"
 fi
-if [[ "$DEVICE" == cuda ]]; then
-    step bench-packing 150 "$PACK_LOG" "$PY" benchmarks/bench_packing.py --device cuda --sequences 256
+train_args() {  # train_args RUN_NAME ATTENTION: TRAIN_ARGS = a short run of configs/sft.yaml
+    TRAIN_ARGS=(--config configs/sft.yaml "model.path=$MODEL" "model.attn_implementation=$2" "engine.dtype=$DTYPE"
+        "trainer.total_steps=$STEPS" trainer.val_before_train=false trainer.export_hf=false
+        trainer.progress_bar=false "trainer.loggers=[jsonl]" trainer.resume=disable "trainer.output_dir=$RUNS_DIR/$1")
+}
+if [[ "$DEVICE" == cuda ]] && ! has flash_attn; then
+    row "bf16 training, flash-attn vs sdpa" "skipped" 0 "flash_attn is not importable here (no wheel carried: too large to build)"
 else
-    step bench-packing 150 "$PACK_LOG" "$PY" benchmarks/bench_packing.py --device cpu --sequences 16
+    start=$SECONDS
+    train_args fast "$FAST"
+    step "train $FAST" 120 "$TRAIN_LOG" "$PY" -m hpsft.train "${TRAIN_ARGS[@]}" &&
+        train_args sdpa sdpa && step "train sdpa" 120 "$TRAIN_LOG" "$PY" -m hpsft.train "${TRAIN_ARGS[@]}"
+    status=$?
+    if [[ $status == 0 ]]; then
+        step "compare losses" 30 "$TRAIN_LOG" \
+            "$PY" - "$RUNS_DIR/fast/metrics.jsonl" "$RUNS_DIR/sdpa/metrics.jsonl" "$TOLERANCE" <<'EOF'
+import json, sys
+def losses(path):
+    return {r["step"]: r["train/loss"] for r in map(json.loads, open(path)) if "train/loss" in r}
+fast, sdpa, tolerance = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+assert fast and fast.keys() == sdpa.keys(), f"steps differ: {sorted(fast)} vs {sorted(sdpa)}"
+worst = max(abs(fast[s] - sdpa[s]) / abs(sdpa[s]) for s in sdpa)
+print("train/loss", {s: (fast[s], sdpa[s]) for s in sorted(sdpa)}, f"max relative difference {worst:.2e}")
+assert worst <= tolerance, f"{worst:.2e} > {tolerance}"
+EOF
+        result "training $DTYPE, $FAST vs sdpa" $? $start "$TRAIN_LOG" \
+            "$STEPS steps each; train/loss per step within $TOLERANCE relative: $(grep -o 'max relative difference [0-9.e+-]*' "$TRAIN_LOG" | tail -n 1)"
+        cp "$RUNS_DIR/fast/metrics.jsonl" "$OUT_DIR/train_fast_metrics.jsonl" 2>/dev/null
+        cp "$RUNS_DIR/sdpa/metrics.jsonl" "$OUT_DIR/train_sdpa_metrics.jsonl" 2>/dev/null
+    else
+        result "training $DTYPE, $FAST vs sdpa" $status $start "$TRAIN_LOG" "a training run did not finish"
+    fi
 fi
-tail -n 6 "$PACK_LOG" >>"$SUMMARY"
 
-note "tests: $([[ $TEST_STATUS == 0 ]] && echo PASSED || echo "FAILED (exit $TEST_STATUS)"); logs in $OUT_DIR/"
-exit $TEST_STATUS
+# 5. Ray: the driver and one actor holding the GPU (n_workers_per_node=1).
+RAY_LOG="$OUT_DIR/ray.log"
+if ! has ray; then
+    row "Ray run, one GPU actor" "skipped" 0 "ray is not importable here (its wheel exceeds what a device call carries)"
+else
+    export RAY_AUTH_MODE=disabled RAY_TMPDIR="$RUNS_DIR/ray"
+    mkdir -p "$RAY_TMPDIR"
+    train_args ray sdpa
+    check "Ray run, one $DEVICE actor" 150 "$RAY_LOG" "python -m hpsft.train_ray, $STEPS steps, $DTYPE" \
+        "$PY" -m hpsft.train_ray "${TRAIN_ARGS[@]}" ray.n_workers_per_node=1
+fi
+
+rm -rf "$RUNS_DIR"
+row total "$([[ $FAILED == 0 ]] && echo "no failure" || echo FAILED)" "$SECONDS" \
+    "budget ${GPU_CHECKS_BUDGET_S:-470} s x $SCALE; logs in $OUT_DIR/"
+{  # the benchmark's own table (and its verdict lines) below the checks
+    echo
+    grep -E '^(torch|F\.linear|Liger)' "$BENCH_LOG"
+    echo
+    grep -E '^\||^target' "$BENCH_LOG"
+} >>"$TABLE" 2>/dev/null
+cat "$TABLE"
+exit $FAILED

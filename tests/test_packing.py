@@ -112,6 +112,20 @@ def test_a_model_that_attends_across_sequences_is_refused(model_path):
         verify_packed_training(lm)
 
 
+def test_flash_attention_is_not_verified_on_an_fp32_cpu_model():
+    # flash-attn runs on CUDA in 16-bit only: the worker verifies such a model after the engine
+    # has moved and cast it; called on the CPU model, the check says so instead of quietly
+    # checking another attention (which it used to do).
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    lm = AutoModelForCausalLM.from_config(config)
+    lm.config._attn_implementation = "flash_attention_2"  # flash-attn is not installed here
+    with pytest.raises(ValueError, match="flash_attention_2 runs on CUDA in fp16/bf16"):
+        verify_packed_training(lm)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_micro_batch_plans_place_every_sample_once_within_budget(seed):
     rng = random.Random(seed)

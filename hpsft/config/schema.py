@@ -70,13 +70,13 @@ class ModelConfig:
 class LossConfig:
     """The fused varlen cross-entropy (hpsft.ops) the training loss goes through."""
 
-    backend: str = "auto"  # auto (CUDA/Triton on GPU, C++ on CPU, else torch) | cpp | cuda | triton | torch
+    backend: str = "auto"  # auto (Triton on GPU, C++ on CPU, else torch) | cpp | triton | torch
     z_loss_weight: float = 0.0  # adds weight * logsumexp(logits)^2 per token; logged as train/z_loss
     label_smoothing: float = 0.0
     token_accuracy: bool = False  # log train/token_accuracy (re-runs the LM head on loss tokens, no grad)
 
     def __post_init__(self):
-        check_choice("loss", "backend", self.backend, {"auto", "cpp", "cuda", "triton", "torch"})
+        check_choice("loss", "backend", self.backend, {"auto", "cpp", "triton", "torch"})
         check_positive("loss", "z_loss_weight", self.z_loss_weight, allow_zero=True)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"loss.label_smoothing must be in [0, 1), got {self.label_smoothing}")

@@ -21,7 +21,6 @@ from torch import nn
 from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels, target_mask
 from hpsft.models.families import UnsupportedModel, longest_sliding_window, output_side
 from hpsft.models.ulysses_attention import INNER_IMPLEMENTATIONS, ULYSSES_IMPLEMENTATION, SequenceParallel, check_heads
-from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 from hpsft.ops import varlen_linear_cross_entropy
 
 
@@ -230,13 +229,13 @@ def verify_packed_training(lm: nn.Module, tolerance: float = 1e-4, gathered=alre
     parameters are whole (under ZeRO-3 the engine gathers each module's own as it runs, but
     the LM-head weight is used here outside a module call).
     """
+    implementation = lm.config._attn_implementation
+    weight = next(lm.parameters())
+    if implementation == "flash_attention_2" and (weight.device.type != "cuda" or weight.dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"flash_attention_2 runs on CUDA in fp16/bf16, not on a {weight.dtype} model on {weight.device}: "
+                         "verify the model once the engine has moved and cast it")
     was_training = lm.training
     lm.eval()
-    implementation = lm.config._attn_implementation
-    if implementation == "flash_attention_2" and next(lm.parameters()).device.type == "cpu":
-        # flash-attn cannot run on the CPU model: check hpsft's side with its own attention;
-        # transformers' flash-attn integration passes windows and soft-caps itself.
-        lm.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
         device = next(lm.parameters()).device
         head = lm.get_output_embeddings().weight

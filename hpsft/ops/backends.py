@@ -1,8 +1,10 @@
-"""Which row kernel runs: the dispatcher behind backend="auto"|"cpp"|"cuda"|"triton"|"torch".
+"""Which row kernel runs: the dispatcher behind backend="auto"|"cpp"|"triton"|"torch".
 
-auto: on a GPU the CUDA extension if built, else Triton, else torch; on CPU the C++
-extension (built by setup.py or JIT-built on first use), else torch. fp64 runs on cpp
-(CPU) or torch only. An explicitly requested backend that cannot run raises and says why.
+auto: on a GPU Triton, else torch; on CPU the C++ extension (built by setup.py or JIT-built
+on first use), else torch. fp64 runs on cpp (CPU) or torch only. An explicitly requested
+backend that cannot run raises and says why. There is one GPU row kernel, Triton's: a CUDA
+one existed, was never faster on paper (same two sweeps per row) and never ran, while
+Triton's is checked on CPU by its interpreter (docs/ops.md).
 """
 
 import os
@@ -11,7 +13,7 @@ import torch
 
 from hpsft.ops.row_options import RowKernel
 
-BACKENDS = ("auto", "cpp", "cuda", "triton", "torch")
+BACKENDS = ("auto", "cpp", "triton", "torch")
 
 
 def _load(name: str, device: torch.device, dtype: torch.dtype) -> tuple[RowKernel | None, str]:
@@ -28,12 +30,6 @@ def _load(name: str, device: torch.device, dtype: torch.dtype) -> tuple[RowKerne
         return load_cpp_row_kernel()
     if dtype == torch.float64:
         return None, f"the {name} kernel computes in fp32; use backend='cpp' or 'torch' for fp64"
-    if name == "cuda":
-        if device.type != "cuda":
-            return None, f"the CUDA kernel runs on CUDA tensors, got {device}"
-        from hpsft.ops.row_kernel_cuda import load_cuda_row_kernel
-
-        return load_cuda_row_kernel()
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return None, f"Triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before import) for {device} tensors"
@@ -53,7 +49,7 @@ def select_row_kernel(requested: str, device: torch.device, dtype: torch.dtype) 
         if kernel is None:
             raise RuntimeError(f"backend={requested!r} cannot run: {reason}")
         return requested, kernel
-    native = ("cuda", "triton") if device.type == "cuda" else ("cpp",)
+    native = ("triton",) if device.type == "cuda" else ("cpp",)
     for name in (*native, "torch"):  # torch always loads
         kernel, _ = _load(name, device, dtype)
         if kernel is not None:

@@ -8,9 +8,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_EXTENSION = "hpsft.ops._varlen_ce_cpu"  # setup.py puts it next to this file
-CUDA_EXTENSION = "hpsft.ops._varlen_ce_cuda"
 CPU_SOURCES = ["csrc/varlen_ce_cpu.cpp"]
-CUDA_SOURCES = ["csrc/varlen_ce_cuda.cpp", "csrc/varlen_ce_cuda_kernel.cu"]
 
 
 def _has_cpu_flag(flag: str) -> bool:
@@ -34,9 +32,3 @@ def cpu_compile_args() -> list[str]:
 def cpu_link_args() -> list[str]:
     return ["-fopenmp"]
 
-
-def cuda_compile_args() -> dict[str, list[str]]:
-    # No --use_fast_math: it swaps expf/logf/tanhf for approximations whose error grows with
-    # the argument and flushes denormals, and it was never checked against the tests'
-    # tolerances on a GPU. The row kernel is bound by memory traffic, not by its exp.
-    return {"cxx": ["-O3"], "nvcc": ["-O3"]}

@@ -12,16 +12,21 @@ def torch_rows_forward_(block, labels, row_scale, options: RowOptions, compute_g
     lse = torch.logsumexp(block, dim=1)
     target = block.gather(1, labels[:, None]).squeeze(1)
     zloss = lam * lse * lse
-    # Differences against lse, as in the native kernels. The smoothing term only when it is
-    # on: a -inf logit (masked vocabulary entry) makes the mean -inf, and 0 * inf is NaN.
+    # Differences against lse, as in the native kernels. Label smoothing spreads eps over the
+    # finite logits only: a -inf one (masked vocabulary entry) is not a choice of the row.
     loss = (1 - eps) * (lse - target) + zloss
+    finite = block > float("-inf") if eps > 0 else None
     if eps > 0:
-        loss = loss + eps * (lse - block.mean(dim=1))
+        finite_count = finite.sum(dim=1)
+        mean_logit = torch.where(finite, block, 0.0).sum(dim=1) / finite_count
+        loss = loss + eps * (lse - mean_logit)
     logprob = target - lse
     if compute_grad:
         # The softcap derivative needs z' after the block has turned into probabilities.
         cap_slope = 1 - (block / cap).square() if cap > 0 else None
-        block.sub_(lse[:, None]).exp_().mul_((1 + 2 * lam * lse)[:, None]).sub_(eps / block.shape[1])
+        block.sub_(lse[:, None]).exp_().mul_((1 + 2 * lam * lse)[:, None])
+        if eps > 0:
+            block.sub_(finite * (eps / finite_count)[:, None])
         rows = torch.arange(block.shape[0], device=block.device)
         block[rows, labels] -= 1 - eps
         if cap_slope is not None:

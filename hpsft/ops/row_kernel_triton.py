@@ -35,7 +35,8 @@ def _cross_entropy_rows_kernel(
     label = tl.load(labels_ptr + row)
     running_max = float("-inf")
     running_sum = 0.0
-    logit_sum = 0.0
+    logit_sum = 0.0  # of the finite logits: label smoothing skips -inf (masked) entries
+    finite_count = 0.0
     target = 0.0
     for start in range(0, vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -54,12 +55,14 @@ def _cross_entropy_rows_kernel(
         block_sum = tl.sum(tl.where(in_vocab, tl.exp(z - shift), 0.0), axis=0)
         running_sum = running_sum * tl.exp(running_max - shift) + block_sum
         running_max = new_max
-        logit_sum += tl.sum(tl.where(in_vocab, z, 0.0), axis=0)
+        finite = in_vocab & (z > float("-inf"))
+        logit_sum += tl.sum(tl.where(finite, z, 0.0), axis=0)
+        finite_count += tl.sum(tl.where(finite, 1.0, 0.0), axis=0)
     lse = running_max + tl.log(running_sum)
     zloss = z_loss_weight * lse * lse
     # Differences against lse: a large common logit offset cancels before it can round. The
-    # smoothing term is selected, not multiplied by 0: with a -inf logit it is infinite.
-    smoothing = tl.where(label_smoothing > 0.0, label_smoothing * (lse - logit_sum / vocab), 0.0)
+    # smoothing term is selected, not multiplied by 0: in a row of only -inf it is NaN.
+    smoothing = tl.where(label_smoothing > 0.0, label_smoothing * (lse - logit_sum / finite_count), 0.0)
     loss = (1.0 - label_smoothing) * (lse - target) + smoothing + zloss
     tl.store(loss_ptr + row, loss)
     tl.store(zloss_ptr + row, zloss)
@@ -69,12 +72,13 @@ def _cross_entropy_rows_kernel(
             tl.debug_barrier()  # the z' stores above are visible to every thread below
         scale = tl.load(scale_ptr + row)
         p_factor = (1.0 + 2.0 * z_loss_weight * lse) * scale
-        uniform = label_smoothing / vocab * scale
+        uniform = label_smoothing / finite_count * scale  # on finite logits only
         for start in range(0, vocab, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             in_vocab = cols < vocab
             z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
-            grad = tl.exp(z - lse) * p_factor - uniform - tl.where(cols == label, (1.0 - label_smoothing) * scale, 0.0)
+            grad = tl.exp(z - lse) * p_factor - tl.where(z > float("-inf"), uniform, 0.0)
+            grad -= tl.where(cols == label, (1.0 - label_smoothing) * scale, 0.0)
             if HAS_SOFTCAP:
                 grad = grad * (1.0 - (z / softcap) * (z / softcap))
             tl.store(row_ptr + cols, grad, mask=in_vocab)

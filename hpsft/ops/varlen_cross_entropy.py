@@ -19,7 +19,7 @@ import torch
 
 from hpsft.ops import varlen_targets
 from hpsft.ops.backends import select_row_kernel
-from hpsft.ops.fused_linear_ce import LinearCrossEntropyFunction, compute_dtype_for
+from hpsft.ops.fused_linear_ce import LinearCrossEntropyFunction, compute_dtype_for, gemm_dtype_for, gemm_dtypes_for
 from hpsft.ops.logits_ce import CrossEntropyRowsFunction
 from hpsft.ops.row_options import RowOptions
 
@@ -32,7 +32,7 @@ class VarlenCEOutput:
     n_tokens: torch.Tensor  # int64 scalar: number of supervised target tokens
     z_loss: torch.Tensor  # the z-loss part of `loss`, same reduction, detached (for logging)
     logprobs: torch.Tensor | None  # (T,) log p(target) per row (0 without a label), detached; when asked
-    backend: str  # which kernel ran: "cpp", "cuda", "triton" or "torch"
+    backend: str  # which kernel ran: "cpp", "triton" or "torch"
 
 
 def _values_and_offsets(rows, offsets, name):
@@ -79,17 +79,16 @@ def _row_scale(reduction, denominator, targets: varlen_targets.SupervisedPositio
     return ones / tokens_per_sequence[targets.sequence_ids] / denominator
 
 
-def _refuse_smoothing_over_minus_inf(loss, options: RowOptions):
-    """Label smoothing averages every logit; one of them -inf (a masked vocabulary entry, not
-    soft-capped) makes that average -inf and the loss +inf, which F.cross_entropy returns
-    silently. Refused instead: an infinite loss trains nothing. Without smoothing a -inf
-    logit is fine (its probability is 0). One device sync, only with smoothing on."""
-    if options.label_smoothing > 0 and options.softcap == 0 and bool(torch.isinf(loss).any()):
+def _gemm_dtype(requested, hidden, weight):
+    if requested is None:
+        return gemm_dtype_for(hidden, weight)
+    allowed = gemm_dtypes_for(hidden, weight)
+    if requested not in allowed:
         raise ValueError(
-            "label_smoothing > 0 with a -inf logit (a masked vocabulary entry, or a -inf target logit): the "
-            "smoothing term averages all logits, so the loss is +inf. Set label_smoothing=0 to train with a "
-            "masked vocabulary, or mask with a finite value so that the masked entries take part in smoothing"
+            f"gemm_dtype must be None or one of {[str(d) for d in allowed]} for {hidden.dtype} hidden and "
+            f"{weight.dtype} weight on {hidden.device}, got {requested}"
         )
+    return requested
 
 
 def _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend):
@@ -128,11 +127,15 @@ def varlen_linear_cross_entropy(
     return_logprobs=False,
     backend="auto",
     chunk_rows=None,
+    gemm_dtype=None,
 ) -> VarlenCEOutput:
     """Cross-entropy of softcap(hidden @ weight.T + bias) without materialising the logits.
 
     hidden (T, H) or nested jagged; weight (V, H); bias (V,) or None. chunk_rows: rows per
-    logit block (default: a 128 MiB block). Differentiable w.r.t. hidden, weight and bias.
+    logit block (default: a 128 MiB block on CPU; on CUDA from free memory, at most 4096).
+    gemm_dtype: operand dtype of the three GEMMs, None for the default (the inputs' bf16/fp16
+    on CUDA, tensor cores with fp32 accumulation; fp32 elsewhere), else fp32 or the inputs'
+    16-bit dtype (see fused_linear_ce). Differentiable w.r.t. hidden, weight and bias.
     """
     hidden, offsets = _values_and_offsets(hidden, offsets, "hidden")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -145,6 +148,7 @@ def varlen_linear_cross_entropy(
         raise ValueError(f"hidden, weight and bias must be on one device, got {hidden.device} and {weight.device}")
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    gemm_dtype = _gemm_dtype(gemm_dtype, hidden, weight)
     options = _options(label_smoothing, z_loss_weight, softcap)
     total_tokens = hidden.shape[0]
     targets = _supervised_positions(total_tokens, weight.shape[0], input_ids, loss_mask, labels, ignore_index, offsets)
@@ -153,9 +157,8 @@ def varlen_linear_cross_entropy(
     row_scale = _row_scale(reduction, denominator, targets, dtype, hidden.device)
     loss, zloss, logprob = LinearCrossEntropyFunction.apply(
         hidden, targets.positions, weight, bias, targets.labels, row_scale, options, row_kernel, reduction != "none", chunk_rows,
-        torch.is_grad_enabled(),
+        gemm_dtype, torch.is_grad_enabled(),
     )
-    _refuse_smoothing_over_minus_inf(loss, options)
     return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)
 
 
@@ -188,5 +191,4 @@ def varlen_cross_entropy(
     loss, zloss, logprob = CrossEntropyRowsFunction.apply(
         logits, targets.positions, targets.labels, row_scale, options, row_kernel, reduction != "none", torch.is_grad_enabled()
     )
-    _refuse_smoothing_over_minus_inf(loss, options)
     return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)

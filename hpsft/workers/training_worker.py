@@ -92,9 +92,13 @@ class TrainingWorker:
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
                             zero3_config=self.engine.deepspeed_config() if zero3 else None)
         check_supported(lm, lm.config._attn_implementation)
+        # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
+        # those are checked once the engine has moved (and cast) the weights; every other model
+        # here, in fp32 before DeepSpeed casts the weights for bf16 (a tighter tolerance).
+        verify_in_engine = zero3 or lm.config._attn_implementation == "flash_attention_2"
         check_heads(lm.config, self.sp_size)  # before DeepSpeed: a refusal costs nothing yet
-        if not zero3:
-            verify_packed_training(lm)  # in fp32, before DeepSpeed casts the weights for bf16
+        if not verify_in_engine:
+            verify_packed_training(lm)
         if cfg.lora.rank:
             # After the packed-path check of the base model: the adapters start at B = 0, so the
             # model computes the same; under ZeRO-3 the base stays partitioned and DeepSpeed
@@ -107,7 +111,7 @@ class TrainingWorker:
         loss = self.loss_config
         packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
         self.engine.initialize(packed)
-        if zero3:  # a partitioned model runs only once the engine gathers each layer as it runs
+        if verify_in_engine:
             # In the engine's dtype: with bf16 weights the packed and the eager path round
             # differently (relative log-prob error 6.6e-3 measured on SmolLM2), while packed
             # documents attending to each other move logits by ~0.5 (PLATFORM-NOTES.md).

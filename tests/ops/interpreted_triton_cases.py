@@ -49,7 +49,9 @@ def test_triton_nothing_supervised():
     assert out.loss.item() == 0 and all(torch.all(g == 0) for g in grads)
 
 
-@pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "label_smoothing": 0.1}], ids=["plain", "softcap+smoothing"])
+@pytest.mark.parametrize(
+    "options", [{}, {"label_smoothing": 0.1}, {"softcap": 3.0, "label_smoothing": 0.1}], ids=["plain", "smoothing", "softcap+smoothing"]
+)
 def test_triton_minus_inf_logits(options):
     # The whole first 1024-wide block is masked: its max is -inf.
     batch = masked_batch()

@@ -52,9 +52,9 @@ def compute_grad_flags(monkeypatch):
     return flags
 
 
-def count_linear(batch, backend, chunk_rows):
-    hidden = batch.hidden.clone().requires_grad_()
-    weight = batch.weight.clone().requires_grad_()
+def count_linear(batch, backend, chunk_rows, requires_grad=True):
+    hidden = batch.hidden.clone().requires_grad_(requires_grad)
+    weight = batch.weight.clone().requires_grad_(requires_grad)
     with CountOps() as ops:
         out = varlen_linear_cross_entropy(
             hidden, weight, input_ids=batch.input_ids, loss_mask=batch.loss_mask, offsets=batch.offsets,
@@ -77,6 +77,15 @@ def test_linear_op_under_no_grad_runs_only_the_logit_gemms(backend, no_grad, com
     assert not out.loss.requires_grad
     ref_loss, _, _, _ = reference(batch, batch.aligned_labels(), "sum", {}, False)
     assert_close(out.loss, ref_loss)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_linear_op_on_inputs_that_need_no_grad_runs_only_the_logit_gemms(backend, compute_grad_flags):
+    batch = make_batch()
+    chunks = -(-int(batch.aligned_labels().ne(-100).sum()) // 4)
+    _, ops = count_linear(batch, backend, chunk_rows=4, requires_grad=False)
+    assert sum(ops.calls[name] for name in MATMULS) == chunks
+    assert compute_grad_flags == [False] * chunks
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -67,8 +67,14 @@ def reference_rows(logits_of_rows, labels, offsets, label_smoothing=0.0, z_loss_
             logits = softcap * torch.tanh(logits / softcap)
         seq_labels = labels[start:stop]
         valid = seq_labels != IGNORE
-        ce = F.cross_entropy(logits, seq_labels, reduction="none", ignore_index=IGNORE, label_smoothing=label_smoothing)
+        # F.cross_entropy's smoothing term averages every logit (+inf loss with a -inf one); a
+        # -inf logit is a masked vocabulary entry, so the uniform target covers the finite ones.
+        nll = F.cross_entropy(logits, seq_labels, reduction="none", ignore_index=IGNORE)
         lse = torch.logsumexp(logits, dim=1)
+        finite = torch.isfinite(logits)
+        mean_finite = torch.where(finite, logits, 0.0).sum(1) / finite.sum(1)
+        smoothing = label_smoothing * (lse - mean_finite) if label_smoothing else 0.0
+        ce = torch.where(valid, (1 - label_smoothing) * nll + smoothing, 0.0)
         z = torch.where(valid, z_loss_weight * lse**2, 0.0)
         lp = torch.where(valid, logits.log_softmax(1).gather(1, seq_labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
         loss = loss.index_put((torch.arange(start, stop),), ce + z)
