@@ -25,8 +25,8 @@ throughput do not depend on the values.
         [--layouts sp1-ckpt,sp1-ckpt-tiled,sp2-ckpt,sp2-ckpt-tiled] [--tile-tokens 1024]
         [--start 2048] [--precision 0.05] [--quick]
 
-`--quick`: a smoke test (6 min on the loaded 2-core machine): a 1-layer model, a 1.2 GiB budget, layouts sp1-ckpt and
-sp2-ckpt-tiled, lengths from 512 and one bisection step.
+`--quick`: a smoke test (6 min on the loaded 2-core machine): a 1-layer model, a 1.2 GiB
+budget, layouts sp1-ckpt and sp2-ckpt-tiled, lengths from 512, one bisection step.
 """
 
 import argparse
