@@ -49,7 +49,8 @@ def layout_of(name: str) -> dict:
     """'sp2-ckpt-tiled' -> {"sp": 2, "checkpointing": True, "tiled": True}."""
     parts = name.split("-")
     if not parts[0].startswith("sp") or not parts[0][2:].isdigit() or not set(parts[1:]) <= {"ckpt", "tiled"}:
-        raise SystemExit(f"bench_long_context: error: layout {name!r}: expected spN[-ckpt][-tiled], e.g. sp2-ckpt-tiled")
+        raise SystemExit(f"bench_long_context: error: layout {name!r}: expected spN[-ckpt][-tiled], "
+                         "e.g. sp2-ckpt-tiled")
     return {"name": name, "sp": int(parts[0][2:]), "checkpointing": "ckpt" in parts, "tiled": "tiled" in parts}
 
 
@@ -240,7 +241,8 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=2048, help="the first length tried, then doubled")
     parser.add_argument("--precision", type=float, default=0.05, help="bisection stops at this relative gap")
     parser.add_argument("--multiple", type=int, default=64, help="lengths tried are multiples of this")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: 1 layer, 1.2 GiB, two layouts, coarse search")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test: 1 layer, 1.2 GiB, two layouts, coarse search")
     # one measurement, run by the driver under torchrun
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
