@@ -13,7 +13,9 @@ soon as its resident memory passes the budget, so lengths far over it cost littl
 
 The search per layout: L = --start, doubled while it fits, then bisection between the last
 fitting and the first failing length down to --precision (relative), lengths multiples of
---multiple. Peak memory only grows with L, so the bisection is exact up to that step.
+--multiple. The bisection assumes peak memory grows with L; peak RSS does not always (it
+holds what the C allocator kept: measured 1.89 GiB at 8192 tokens, 1.87 at 16384, see
+docs/sequence_parallel.md), so read the per-length table beside the longest length.
 
 The model: SmolLM2-135M's config (hidden 576, intermediate 1536, vocab 49152, tied
 embeddings) cut to --layers decoder layers, with --heads query heads and --kv-heads
