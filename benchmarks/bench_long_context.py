@@ -15,7 +15,10 @@ The search per layout: L = --start, doubled while it fits, then bisection betwee
 fitting and the first failing length down to --precision (relative), lengths multiples of
 --multiple. The bisection assumes peak memory grows with L; peak RSS does not always (it
 holds what the C allocator kept: measured 1.89 GiB at 8192 tokens, 1.87 at 16384, see
-docs/sequence_parallel.md), so read the per-length table beside the longest length.
+docs/sequence_parallel.md). So the ranks run with a fixed glibc mmap threshold
+(--mmap-threshold, 64 KiB): every block from that size up is mmapped and returned to the
+system when freed, and peak RSS then follows the live tensors (measured: flat at the
+optimizer step's floor up to a length, then growing with it).
 
 The model: SmolLM2-135M's config (hidden 576, intermediate 1536, vocab 49152, tied
 embeddings) cut to --layers decoder layers, with --heads query heads and --kv-heads
@@ -25,10 +28,11 @@ throughput do not depend on the values.
 
     python benchmarks/bench_long_context.py [--budget-gib 2.0] [--layers 4] [--heads 8] [--kv-heads 2]
         [--layouts sp1-ckpt,sp1-ckpt-tiled,sp2-ckpt,sp2-ckpt-tiled] [--tile-tokens 1024]
-        [--start 2048] [--precision 0.05] [--quick]
+        [--start 2048] [--precision 0.05] [--mmap-threshold 65536] [--quick]
 
-`--quick`: a smoke test (6 min on the loaded 2-core machine): a 1-layer model, a 1.2 GiB
-budget, layouts sp1-ckpt and sp2-ckpt-tiled, lengths from 512, one bisection step.
+`--quick`: a smoke test: a 1-layer model, a 0.95 GiB budget, layouts sp1-ckpt and
+sp2-ckpt-tiled, lengths from 512, one bisection step (sp2-ckpt-tiled alone with these
+settings: 3.5 min on the loaded 2-core machine, longest 16384).
 """
 
 import argparse
@@ -155,6 +159,8 @@ def run_measurement(args, layout: dict, length: int, model: Path, scratch: Path)
                *worker]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // layout["sp"]))}
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     if not out.exists():
         if over_budget_marker(out).exists():
@@ -206,7 +212,7 @@ def report(args, layouts: list[dict], results: dict) -> None:
     heads = f"{args.heads} heads ({args.kv_heads} KV, head_dim {576 // args.heads})"
     print(f"\nSmolLM2-135M config cut to {args.layers} layers, {heads}, random weights; fp32, CPU, gloo, "
           f"ZeRO-{args.zero_stage}; one optimizer step on one sequence; budget {args.budget_gib} GiB peak RSS per "
-          f"rank; tiles of {args.tile_tokens} tokens.")
+          f"rank; tiles of {args.tile_tokens} tokens; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}.")
     print("\npeak RSS per rank (GiB) / tokens/s, at the doubling lengths of the search:\n")
     print("| length | " + " | ".join(layout["name"] for layout in layouts) + " |")
     print("|---:|" + "---:|" * len(layouts))
@@ -240,11 +246,13 @@ def main() -> None:
     parser.add_argument("--layouts", default="sp1-ckpt,sp1-ckpt-tiled,sp2-ckpt,sp2-ckpt-tiled")
     parser.add_argument("--tile-tokens", type=int, default=1024, help="model.tiled_mlp_tokens of the -tiled layouts")
     parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--mmap-threshold", type=int, default=65536,
+                        help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks (0: glibc's moving default)")
     parser.add_argument("--start", type=int, default=2048, help="the first length tried, then doubled")
     parser.add_argument("--precision", type=float, default=0.05, help="bisection stops at this relative gap")
     parser.add_argument("--multiple", type=int, default=64, help="lengths tried are multiples of this")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: 1 layer, 1.2 GiB, two layouts, coarse search")
+                        help="a smoke test: 1 layer, 0.95 GiB, two layouts, coarse search")
     # one measurement, run by the driver under torchrun
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
@@ -256,7 +264,7 @@ def main() -> None:
         measure(args)
         return
     if args.quick:
-        args.layers, args.budget_gib, args.start, args.precision, args.tile_tokens = 1, 1.2, 512, 0.5, 256
+        args.layers, args.budget_gib, args.start, args.precision, args.tile_tokens = 1, 0.95, 512, 0.5, 256
         args.layouts = "sp1-ckpt,sp2-ckpt-tiled"
     layouts = [layout_of(name) for name in args.layouts.split(",")]
     for layout in layouts:
