@@ -276,7 +276,8 @@ def run_watching_sockets(command: list[str], logs: Path, env: dict | None = None
         seen, deadline = set(), time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
             seen |= listening(marked_processes(mark))
-            time.sleep(0.5)
+            # Not 0.5 s: that once missed both ranks of the failed torchrun run (a poll costs ~3 ms)
+            time.sleep(0.1)
         if proc.poll() is None:
             proc.kill()
         proc.wait()
