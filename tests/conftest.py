@@ -3,8 +3,10 @@ runner for the real CLI in fresh processes (one process, or torchrun with N rank
 
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +16,41 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TEST_MODEL = REPO / ".cache" / "models" / "smollm2-135m-2l"
 FULL_MODEL = REPO / ".cache" / "models" / "smollm2-135m"
+
+
+CPU_TIMES_VAR = "HPSFT_TEST_CPU_TIMES"
+cpu_times: list[tuple[float, float, str]] = []  # (CPU s, wall s, test id), filled when the variable is set
+
+
+def cpu_seconds() -> float:
+    """User+system CPU of pytest and of its descendants that were waited for (a Ray worker
+    is no child of pytest: its CPU is not counted; judge Ray tests by their wall time)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With HPSFT_TEST_CPU_TIMES=path, note each test's CPU and wall seconds (setup, call
+    and teardown: a module-scoped fixture's run counts for the test that first needs it).
+    CPU time is the measure to compare on a shared, loaded machine, where wall time is not."""
+    if not os.environ.get(CPU_TIMES_VAR):
+        yield
+        return
+    cpu, wall = cpu_seconds(), time.monotonic()
+    yield
+    cpu_times.append((cpu_seconds() - cpu, time.monotonic() - wall, item.nodeid))
+
+
+def pytest_sessionfinish(session):
+    """Write the noted times, most CPU first, as a table (CPU s, wall s, test)."""
+    path = os.environ.get(CPU_TIMES_VAR)
+    if not path or not cpu_times:
+        return
+    rows = sorted(cpu_times, reverse=True)
+    lines = [f"{'cpu_s':>8} {'wall_s':>8}  test"] + [f"{c:8.1f} {w:8.1f}  {t}" for c, w, t in rows]
+    lines.append(f"{sum(r[0] for r in rows):8.1f} {sum(r[1] for r in rows):8.1f}  total ({len(rows)} tests)")
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 @pytest.fixture(scope="session")
