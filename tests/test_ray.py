@@ -196,22 +196,12 @@ def zero3_run(tmp_path_factory, model_path, data, ray_address):
 
 
 @pytest.mark.slow
-def test_zero3_checkpoint_resumed_by_a_new_driver(tmp_path, model_path, data, zero3_run):
-    resumed = tmp_path / "resumed"
-    checkpoint = zero3_run / "checkpoints" / "global_step_2"
-    run_driver(ray_config(model_path, data, resumed, **ZERO3, **{"trainer.resume": str(checkpoint)}))
-    straight, again = last_per_step(zero3_run), last_per_step(resumed)
-    assert sorted(again) == [3, 4]
-    for step in (3, 4):
-        assert rel_diff(straight[step]["train/loss"], again[step]["train/loss"]) <= 1e-6, step
-    assert max_rel_weight_diff(weights(zero3_run), weights(resumed)) <= 1e-6
-
-
-@pytest.mark.slow
 def test_a_ray_checkpoint_resumes_under_torchrun_and_back(tmp_path, model_path, data, zero3_run):
-    """Ray's step-2 checkpoint -> torchrun (2 ranks) trains step 3 and saves it -> a Ray driver
-    resumes that and trains step 4: every step's loss and the final weights are the
-    uninterrupted Ray run's (1e-5: the two paths give their ranks other shards of a batch)."""
+    """Ray's step-2 checkpoint -> torchrun (2 ranks) trains step 3 and saves it -> a new Ray
+    driver resumes that (named by trainer.resume) and trains step 4: every step's loss and the
+    final weights are the uninterrupted Ray run's (1e-5: the two paths give their ranks other
+    shards of a batch). A new driver resuming from its own run's latest checkpoint: the SIGTERM
+    test below."""
     train, val = data
     out = tmp_path / "run"
     checkpoint = zero3_run / "checkpoints" / "global_step_2"
@@ -220,7 +210,7 @@ def test_a_ray_checkpoint_resumes_under_torchrun_and_back(tmp_path, model_path, 
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step 2 (written by a ray run with 2 data-parallel ranks, now 2)" in proc.stdout
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_3"
-    run_driver(ray_config(model_path, data, out, **ZERO3))
+    run_driver(ray_config(model_path, data, out, **ZERO3, **{"trainer.resume": out / "checkpoints" / "global_step_3"}))
     straight, resumed = last_per_step(zero3_run), last_per_step(out)
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
