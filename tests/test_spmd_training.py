@@ -39,8 +39,10 @@ def test_zero_stage_trains_two_ranks_and_exports(tmp_path, model_path, chat_rows
     proc = run_cli(None, base_overrides(model_path, train, val, out, **{
         "engine.zero_stage": zero_stage, "trainer.total_steps": 4, "data.micro_batch_size_per_gpu": 2,
         "trainer.loggers": "[jsonl,tensorboard]", "loss.token_accuracy": "true",
+        "trainer.peak_flops_per_device": "null",  # measured at start-up, as by default
     }), nproc=2, script=CHECK_SCRIPT, launcher=launcher)
     assert_ok(proc)
+    assert "hpsft: MFU peak per device: measured: " in proc.stdout
     metrics = read_metrics(out)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert 0 < metrics[-1]["val/loss"] < 100 and metrics[-1]["perf/mfu"] > 0
@@ -56,20 +58,31 @@ def test_zero_stage_trains_two_ranks_and_exports(tmp_path, model_path, chat_rows
     assert "<|im_start|>" in check["chat_template"]
 
 
+INVARIANCE = {"data.train_batch_size": 4, "trainer.total_steps": 2, "engine.zero_stage": 2}
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, model_path, chat_rows):
+    """The reference of both splits below: 1 process, 1 micro-batch of 4 (tiny_data's rows)."""
+    root = tmp_path_factory.mktemp("invariance")
+    train = write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:24]], root / "val.parquet")
+    one = root / "one"
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, one, **INVARIANCE,
+                                                    **{"data.micro_batch_size_per_gpu": 4})))
+    return train, val, one
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split", ["fixed", "token_budget"])
-def test_dp_and_micro_batch_invariance(tmp_path, model_path, tiny_data, split):
+def test_dp_and_micro_batch_invariance(tmp_path, model_path, one_process_run, split):
     """(1 process, 1 micro-batch of 4) == (2 processes, 2 micro-batches each), the second
     split by a fixed size of 1 sequence or by a token budget."""
-    train, val = tiny_data
-    common = {"data.train_batch_size": 4, "trainer.total_steps": 2, "engine.zero_stage": 2}
+    train, val, one = one_process_run
     two_split = ({"data.micro_batch_size_per_gpu": 1} if split == "fixed"
                  else {"data.max_tokens_per_micro_batch": 70, "data.max_length": 70})  # a rank's 2 exceed 70
-    one = tmp_path / "one"
     two = tmp_path / "two"
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, one, **common,
-                                                    **{"data.micro_batch_size_per_gpu": 4})))
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, two, **common, **two_split), nproc=2))
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, val, two, **INVARIANCE, **two_split), nproc=2))
     m1, m2 = read_metrics(one), read_metrics(two)
     assert m1[0]["perf/micro_batches_per_rank"] == 1 and m2[0]["perf/micro_batches_per_rank"] == 2
     for a, b in zip(m1, m2):
