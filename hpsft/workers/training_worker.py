@@ -26,6 +26,7 @@ from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.models.ulysses_attention import check_heads
+from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 from hpsft.perf import device_peak, flop_counts, model_flops
 from hpsft.profiling import StepProfiler
 from hpsft.progress import progress_bar
@@ -95,7 +96,14 @@ class TrainingWorker:
         # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
         # those are checked once the engine has moved (and cast) the weights; every other model
         # here, in fp32 before DeepSpeed casts the weights for bf16 (a tighter tolerance).
-        verify_in_engine = zero3 or lm.config._attn_implementation == "flash_attention_2"
+        # hpsft_varlen on a GPU runs torch's varlen flash kernel only in 16-bit: checked in the engine too.
+        attention = lm.config._attn_implementation
+        verify_in_engine = zero3 or attention == "flash_attention_2" or (
+            attention == ATTN_IMPLEMENTATION and torch.cuda.is_available())
+        if torch.cuda.is_available():
+            # cuDNN's SDPA builds a graph for every new shape (1.4-1.9 ms of host time a call on
+            # an H200, measured): packed rows change shape every step. Flash/efficient instead.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         check_heads(lm.config, self.sp_size)  # before DeepSpeed: a refusal costs nothing yet
         if not verify_in_engine:
             verify_packed_training(lm)
