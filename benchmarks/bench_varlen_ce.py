@@ -52,9 +52,11 @@ QUICK_CASES = [(64, 4096, 512, 1.0), (64, 4096, 512, 1 / 3)]
 # GPU-only methods (the CPU table keeps the three above).
 GPU_METHODS = {
     "liger": "Liger-Kernel LigerFusedLinearCrossEntropyLoss",
+    # Half the default GPU chunk cap: the time/memory trade-off of GPU_MAX_CHUNK_ROWS, in one run.
+    "hpsft_2048": "hpsft varlen_linear_cross_entropy, chunk_rows=2048",
 }
 # GPU targets: hpsft fwd+bwd >= 60 % of bf16 dense peak, and extra memory <= Liger's, at N=8192
-# and 32768, H=4096, V=128256 (issue 12). Never run yet: no GPU has been lent.
+# and 32768, H=4096, V=128256 (issue 12). Measured on an H200: docs/gpu_results.md.
 GPU_CASES = [
     (4096, 128256, 8192, 1.0),
     (4096, 128256, 32768, 1.0),
@@ -89,10 +91,12 @@ def make_inputs(hidden_size, vocab_size, tokens, supervised_fraction, seq_len=51
 
 
 def loss_fn(method, hidden, weight, input_ids, offsets, loss_mask, labels):
-    if method == "hpsft":
+    if method.startswith("hpsft"):
         from hpsft.ops import varlen_linear_cross_entropy
 
-        out = varlen_linear_cross_entropy(hidden, weight, input_ids=input_ids, offsets=offsets, loss_mask=loss_mask)
+        chunk_rows = 2048 if method == "hpsft_2048" else None
+        out = varlen_linear_cross_entropy(hidden, weight, input_ids=input_ids, offsets=offsets, loss_mask=loss_mask,
+                                          chunk_rows=chunk_rows)
         return out.loss, out.backend
     if method == "materialised":
         # .float(): the usual Hugging Face loss upcasts bf16 logits (a no-op on fp32 CPU inputs).

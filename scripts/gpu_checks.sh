@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks in one bounded run (<= 8 minutes on one GPU), from the repository root:
 #   1. environment: carried wheels (GPU_CHECKS_PREPARE=1), versions, nvidia-smi
-#   2. the GPU kernel tests: pytest tests/ops/test_gpu_backends.py       -> exit status
+#   2. the GPU kernel tests: tests/ops/test_gpu_backends.py, tests/test_varlen_attention_gpu.py
 #   3. the loss benchmark: benchmarks/bench_varlen_ce.py --device cuda (bf16, N = 8k and 32k,
-#      H = 4096, V = 128256: hpsft vs materialised logits, F.linear_cross_entropy, Liger)
+#      H = 4096, V = 128256: hpsft (and at chunk_rows=2048) vs materialised logits,
+#      F.linear_cross_entropy, Liger)
 #   4. a bf16 training run of the default model (configs/sft.yaml's SmolLM2-135M, random
-#      weights of its architecture) with flash_attention_2 and with sdpa: losses equal within
-#      bf16 tolerance                                                       -> exit status
+#      weights of its architecture) with flash_attention_2 (hpsft_varlen where flash-attn is
+#      not importable) and with sdpa: losses equal within bf16 tolerance, step times
 #   5. a Ray run (python -m hpsft.train_ray) with one GPU actor            -> exit status
 # Every step runs under `timeout`, capped by what is left of GPU_CHECKS_BUDGET_S (470 s); a
 # step the budget no longer allows is reported as skipped. One table, ${OUT:-gpu_results}/table.md,
@@ -25,7 +26,7 @@
 #                         hpsft_varlen in place of flash-attn) to check this script's flow;
 #                         every step's timeout (and the budget) times GPU_CHECKS_TIMEOUT_SCALE,
 #                         4 by default there (2 shared CPU cores are far slower than a GPU).
-# docs/ops.md ("GPU checks") has the exact device call. It has not run on a GPU yet.
+# docs/ops.md ("GPU checks") has the exact device call; docs/gpu_results.md what it measured on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

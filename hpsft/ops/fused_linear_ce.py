@@ -36,8 +36,11 @@ from hpsft.ops.row_options import RowKernel, RowOptions
 LOGIT_BLOCK_BYTES = 128 * 2**20  # CPU: one (rows, V) block: large enough that d(weight) is updated
 # in few passes (682 rows at V=49152 fp32), small next to materialised logits
 # GPU: the blocks (fp32 logits + 16-bit d(logits)) take at most this share of the free memory,
-# and at most GPU_MAX_CHUNK_ROWS rows: 4096 rows at V=128256 are 3 GiB, and d(weight) is then
-# read and written 8 times at 32k tokens (unmeasured: no GPU has been lent yet).
+# and at most GPU_MAX_CHUNK_ROWS rows. Each chunk's d(weight) GEMM reads and writes the fp32
+# (V, H) accumulator, so fewer rows per chunk cost time: on the lent H200 (H=4096, V=128256,
+# bench_varlen_ce.py, docs/gpu_results.md) 4096 rows took 44.4/169 ms at N=8k/32k with 5.1/5.6
+# GiB extra, 2048 rows 45.9/177 ms with 3.6/4.2 GiB. The faster cap is kept: 4096 rows at
+# V=128256 are 3 GiB of blocks; pass chunk_rows to trade ~4% time for 1.5 GiB.
 GPU_BLOCK_SHARE_OF_FREE_MEMORY = 0.25
 GPU_MAX_CHUNK_ROWS = 4096
 LOW_PRECISION = (torch.bfloat16, torch.float16)
