@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, base_overrides, cli_command, read_metrics, run_cli, train_env
+from tests.conftest import REPO, base_overrides, cli_command, read_metrics, run_cli, train_env, write_parquet
 from tests.test_spmd_training import assert_ok, rel_diff
 
 
@@ -29,17 +29,34 @@ def assert_same_losses(straight, recovered, steps):
         assert rel_diff(a[step]["train/loss"], b[step]["train/loss"]) < 1e-6, step
 
 
+# 4 sequences a step in micro-batches of 2: 2 per rank under 2 ranks, 2 accumulated in 1 process.
+COMMON = {"data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2, "trainer.total_steps": 5,
+          "trainer.export_hf": "false"}
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory, chat_rows):
+    """tiny_data's 16 training conversations."""
+    root = tmp_path_factory.mktemp("fault_data")
+    return write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, model_path, train):
+    """The uninterrupted run (1 process) the recovered runs below are compared with: those
+    with 2 ranks too (a 2-rank run's losses are within 2e-7 of it: test_elastic_resume)."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, out, **COMMON)))
+    return out
+
+
 @pytest.mark.slow
-def test_rotation_and_resume_past_damaged_checkpoints(tmp_path, model_path, tiny_data):
+def test_rotation_and_resume_past_damaged_checkpoints(tmp_path, model_path, train, straight):
     """keep_last_checkpoints=3 over 4 saves keeps steps 2-4; with step 4's manifest gone and a
     shard of step 3 truncated, the resume warns about both, goes on from step 2, and its
     losses equal the uninterrupted run's."""
-    train, _ = tiny_data
-    common = {"data.train_batch_size": 4, "trainer.total_steps": 5, "trainer.export_hf": "false"}
-    straight, rotated = tmp_path / "straight", tmp_path / "rotated"
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, straight, **common)))
-
-    rotating = {**common, "trainer.save_every": 1, "trainer.keep_last_checkpoints": 3}
+    rotated = tmp_path / "rotated"
+    rotating = {**COMMON, "trainer.save_every": 1, "trainer.keep_last_checkpoints": 3}
     (rotated / "checkpoints" / "global_step_1.partial").mkdir(parents=True)  # left by a crashed save
     assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, rotated, **rotating,
                                                     **{"trainer.stop_at_step": 4})))
@@ -117,18 +134,15 @@ def wait_for_first_metrics(run_dir, proc, timeout_s: float = 400) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_saves_the_step_reached_by_all_and_the_resume_matches(tmp_path, model_path, tiny_data):
+def test_sigterm_to_one_rank_saves_the_step_reached_by_all_and_the_resume_matches(tmp_path, model_path, train,
+                                                                                  straight):
     """SIGTERM to rank 1 only (after step 1 is logged, so during step 2): both ranks finish
     the step, save it, exit 75; resuming gives the uninterrupted run's losses."""
-    train, _ = tiny_data
-    common = {"data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 2, "trainer.total_steps": 4,
-              "trainer.export_hf": "false"}
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, straight, **common), nproc=2))
+    stopped = tmp_path / "stopped"
 
     log = tmp_path / "stopped.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cli_command("hpsft.train", base_overrides(model_path, train, None, stopped, **common),
+        proc = subprocess.Popen(cli_command("hpsft.train", base_overrides(model_path, train, None, stopped, **COMMON),
                                             nproc=2), cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_for_first_metrics(stopped, proc)
@@ -150,10 +164,10 @@ def test_sigterm_to_one_rank_saves_the_step_reached_by_all_and_the_resume_matche
     assert exit_codes == {"0": "75", "1": "75"}, output[-5000:]
     assert output.count(f"hpsft: stopped by a signal (SIGTERM/SIGUSR1) after step {reached}") == 2
 
-    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, stopped, **common), nproc=2)
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, stopped, **COMMON), nproc=2)
     assert_ok(proc)
     assert f"global_step_{reached} at step {reached}" in proc.stdout
-    assert_same_losses(straight, stopped, range(1, 5))
+    assert_same_losses(straight, stopped, range(1, 6))
 
 
 def engine_tensors(checkpoint) -> dict:

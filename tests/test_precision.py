@@ -68,6 +68,23 @@ def bf16_rows_reference(model_path, rows, total: int) -> dict:
     return grads
 
 
+@pytest.fixture(scope="module")
+def bf16_rows_references(model_path, sequences):
+    """bf16_rows_reference by micro-batch count, computed once for every engine: each splits
+    the sequences into the same rows (checked)."""
+    computed = {}  # micro-batches -> (rows, reference)
+
+    def reference(micro_batches: int, rows: list[dict]) -> dict:
+        if micro_batches not in computed:
+            computed[micro_batches] = rows, bf16_rows_reference(model_path, rows, global_loss_tokens(sequences))
+        first_rows, grads = computed[micro_batches]
+        assert len(rows) == len(first_rows) and all(
+            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(rows, first_rows))
+        return grads
+
+    return reference
+
+
 def rel_error(grads: dict, reference: dict) -> float:
     """||grads - reference|| / ||reference|| over all parameters together."""
     assert grads.keys() == reference.keys()
@@ -76,31 +93,42 @@ def rel_error(grads: dict, reference: dict) -> float:
     return (diff / norm) ** 0.5
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("engine", [
-    # Stage 1 runs DeepSpeed's BF16_Optimizer, stage 2 its ZeRO-1/2 optimizer, stage 3 its
-    # ZeRO-3 one (here with both offloads). Stage 1/2 with offload_optimizer and stage 3
-    # without offload gave the same figures when checked by hand (docs/precision.md).
-    ["engine.zero_stage=1"],
-    ["engine.zero_stage=2"],
-    ["engine.zero_stage=3", "engine.offload_optimizer=true", "engine.offload_params=true"],
-], ids=["zero1", "zero2", "zero3-offload"])
-def test_bf16_step_accumulates_and_reduces_gradients_in_fp32(tmp_path, model_path, sequences, fp32_reference,
-                                                             engine):
-    """2 ranks x 4 sequences, one step split into 1 and into 4 micro-batches per rank."""
-    torch.save(sequences, tmp_path / "sequences.pt")
-    proc = run_cli(None, [str(tmp_path / "sequences.pt"), str(tmp_path / "grads.pt"), "1,4",
-                          f"model.path={model_path}", "engine.dtype=bfloat16", *engine], nproc=2, script=SCRIPT)
+# Stage 1 runs DeepSpeed's BF16_Optimizer, stage 2 its ZeRO-1/2 optimizer, stage 3 its
+# ZeRO-3 one (here with both offloads). Stage 1/2 with offload_optimizer and stage 3
+# without offload gave the same figures when checked by hand (docs/precision.md).
+ENGINES = {
+    "zero1": "engine.zero_stage=1",
+    "zero2": "engine.zero_stage=2",
+    "zero3-offload": "engine.zero_stage=3 engine.offload_optimizer=true engine.offload_params=true",
+}
+
+
+@pytest.fixture(scope="module")
+def bf16_steps(tmp_path_factory, model_path, sequences) -> dict:
+    """engine -> micro-batches -> the captured step: 2 ranks x 4 sequences, one step split
+    into 1 and into 4 micro-batches per rank, every engine in one torchrun (one start-up)."""
+    root = tmp_path_factory.mktemp("bf16")
+    torch.save(sequences, root / "sequences.pt")
+    proc = run_cli(None, [str(root / "sequences.pt"), str(root / "grads.pt"), "1,4", ";".join(ENGINES.values()),
+                          f"model.path={model_path}", "engine.dtype=bfloat16"], nproc=2, script=SCRIPT)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    steps = torch.load(tmp_path / "grads.pt")
+    steps = torch.load(root / "grads.pt")
+    return {engine: steps[variant] for engine, variant in ENGINES.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_bf16_step_accumulates_and_reduces_gradients_in_fp32(fp32_reference, bf16_steps, bf16_rows_references, engine):
+    """The engine's step with 1 and with 4 micro-batches per rank (bf16_steps) against the
+    fp32 and the fp64-sum-of-bf16-rows references."""
+    steps = bf16_steps[engine]
     fp32_loss, fp32_grads = fp32_reference
-    total = global_loss_tokens(sequences)
     figures = {}  # all measured first: a failure shows every one
     for k, step in steps.items():
         figures[f"loss vs fp32, {k} mb"] = abs(step["loss"] - fp32_loss) / fp32_loss
         figures[f"grad vs fp32, {k} mb"] = rel_error(step["grads"], fp32_grads)
-        figures[f"grad vs fp64 sum of bf16 rows, {k} mb"] = rel_error(
-            step["grads"], bf16_rows_reference(model_path, step["rows"], total))
+        figures[f"grad vs fp64 sum of bf16 rows, {k} mb"] = rel_error(step["grads"],
+                                                                      bf16_rows_references(k, step["rows"]))
     figures["grad 1 vs 4 mb"] = rel_error(steps[4]["grads"], {k: g.double() for k, g in steps[1]["grads"].items()})
     shown = "; ".join(f"{name} {value:.2e}" for name, value in figures.items())
     for k, step in steps.items():

@@ -140,6 +140,38 @@ def test_worker_group_scatters_per_rank_arguments_and_names_a_failing_rank(ray_a
 
 
 @pytest.mark.slow
+def test_worker_group_call_timeout_names_the_hung_ranks_and_kills_them(ray_address):
+    """A call still unanswered after ray.call_timeout_s (every rank waits for good on an Event
+    never set) raises WorkerHungError naming the ranks, and kills them though they are busy:
+    their CPUs are free again. The trainer restarts on it as on any lost group:
+    test_a_hung_worker_then_one_lost_while_the_group_is_rebuilt_each_use_up_a_restart."""
+    from ray.exceptions import RayActorError
+
+    from hpsft.ray import ClassWithInitArgs, RayWorkerGroup, WorkerHungError
+    from hpsft.ray.resource_pool import RayResourcePool
+
+    # 20 s: the timeout bounds the group's start-up calls too (actor processes, imports).
+    group = RayWorkerGroup(RayResourcePool(1, 2, 0.5, 60), ClassWithInitArgs(threading.Event), call_timeout_s=20)
+    actors = list(group.actors)
+    try:
+        assert group.is_set().get() == [False, False]
+        with pytest.raises(WorkerHungError, match=r"worker rank 0 \(node [\d.]+ \(\w+\), pid \d+\); rank 1 \(node "
+                                                  r"[\d.]+ \(\w+\), pid \d+\) did not finish wait within 20 s "
+                                                  r"\(ray.call_timeout_s\)"):
+            group.wait().get()
+        assert group.actors == []
+    finally:
+        group.shutdown()
+    for actor in actors:
+        with pytest.raises(RayActorError):
+            ray.get(actor.where.remote(), timeout=60)
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
+@pytest.mark.slow
 def test_ray_matches_spmd(tmp_path, model_path, data, ray_address, chat_rows):
     """2 Ray workers == 2 torchrun ranks: every step's loss and the final weights (fp32), on a
     3:1 mixture of two training files, with per-dataset train and val losses (the SPMD ranks
@@ -377,47 +409,28 @@ def test_a_ray_gpu_outside_the_visible_devices_is_refused():
         cuda_device_of([2], "0,1")
 
 
-HUNG_BY_CALL_TIMEOUT = r"rank 1 \(node [\d.]+ \(\w+\), pid \d+\) did not finish train_batch within 90 s"
-HUNG_BY_COLLECTIVE_TIMEOUT = r"rank 0 \(node [\d.]+ \(\w+\), pid \d+\) gave up waiting for the other ranks"
+HUNG_BY_COLLECTIVE_TIMEOUT = r"worker rank 0 \(node [\d.]+ \(\w+\), pid \d+\) gave up waiting for the other ranks"
+DIED_WHILE_REBUILT = r"worker rank 1 \(node [\d.]+ \(\w+\), pid \d+\) died during load_checkpoint"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("timeouts, message", [
-    ({"ray.call_timeout_s": 90, "engine.collective_timeout_s": 300}, HUNG_BY_CALL_TIMEOUT),
-    ({"ray.call_timeout_s": "null", "engine.collective_timeout_s": 60}, HUNG_BY_COLLECTIVE_TIMEOUT),
-], ids=["call-timeout", "collective-timeout"])
-def test_hung_worker_times_out_and_the_run_restarts_from_the_last_checkpoint(
-        tmp_path, model_path, data, zero3_run, capsys, monkeypatch, timeouts, message):
-    """Rank 1 sleeps for good at the start of step 3. Whichever comes first, ray.call_timeout_s
-    (90 s: above a model build on a loaded 2-core machine) or rank 0's collective giving up
-    (engine.collective_timeout_s), the group is dropped as lost, and a new one resumes from
-    step 2's checkpoint and ends as the straight run."""
-    monkeypatch.setenv("HPSFT_TEST_WORKER_FAULT", f"hang:1:3:{tmp_path / 'hung_once'}")
-    out = tmp_path / "run"
-    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 1, **timeouts}))
-    printed = capsys.readouterr().out
-    assert re.search(message, printed), printed[-3000:]
-    assert "restart 1/1" in printed and f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in printed
-    straight, restarted = last_per_step(zero3_run), last_per_step(out)
-    assert sorted(restarted) == [1, 2, 3, 4]
-    for step in range(1, 5):
-        assert rel_diff(straight[step]["train/loss"], restarted[step]["train/loss"]) <= 1e-6, step
-    assert max_rel_weight_diff(weights(zero3_run), weights(out)) <= 1e-6
-
-
-@pytest.mark.slow
-def test_a_worker_lost_while_the_group_is_rebuilt_uses_up_a_restart(
+def test_a_hung_worker_then_one_lost_while_the_group_is_rebuilt_each_use_up_a_restart(
         tmp_path, model_path, data, zero3_run, capsys, monkeypatch):
-    """Rank 1 exits at step 3, then again while the new group loads step 2's checkpoint: the
-    second loss is the second restart (not an escape from the loop), the third group finishes
-    as the straight run."""
-    monkeypatch.setenv("HPSFT_TEST_WORKER_FAULT", f"exit:1:3:{tmp_path / 'once_a'},"
+    """Rank 1 sleeps for good at the start of step 3: rank 0's collective gives up after
+    engine.collective_timeout_s (no ray.call_timeout_s), the group is dropped as hung. Rank 1
+    then exits while the new group loads step 2's checkpoint: that second loss is the second
+    restart (not an escape from the loop); the third group ends as the straight run. (A hung
+    call ended by ray.call_timeout_s is the same WorkerHungError:
+    test_worker_group_call_timeout_names_the_hung_ranks_and_kills_them.)"""
+    monkeypatch.setenv("HPSFT_TEST_WORKER_FAULT", f"hang:1:3:{tmp_path / 'once_a'},"
                                                   f"exit:1:load_checkpoint:{tmp_path / 'once_b'}")
     out = tmp_path / "run"
-    run_driver(ray_config(model_path, data, out, **ZERO3, **{"ray.max_restarts": 2}))
+    run_driver(ray_config(model_path, data, out, **ZERO3, **{
+        "ray.max_restarts": 2, "ray.call_timeout_s": "null", "engine.collective_timeout_s": 60}))
     printed = capsys.readouterr().out
     first, second = printed.index("restart 1/2"), printed.index("restart 2/2")
-    assert re.search(r"worker rank 1 \(.*\) died during load_checkpoint", printed[first:second])
+    assert re.search(HUNG_BY_COLLECTIVE_TIMEOUT, printed[:first]), printed[-3000:]
+    assert re.search(DIED_WHILE_REBUILT, printed[first:second]), printed[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'global_step_2'} at step 2" in printed[second:]
     straight, restarted = last_per_step(zero3_run), last_per_step(out)
     assert sorted(restarted) == [1, 2, 3, 4]

@@ -12,10 +12,12 @@ import psutil
 import pytest
 
 from hpsft.distributed import free_port
-from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env, write_parquet
 from tests.slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
 
 SBATCH_SCRIPT = REPO / "scripts" / "train_slurm.sbatch"
+# The jobs' config (ZeRO-2, 4 steps; the first job trains 2 of them and exports).
+JOB_CONFIG = {"engine.zero_stage": 2, "trainer.total_steps": 4, "trainer.export_hf": "false"}
 
 
 def rel_diff(a: float, b: float) -> float:
@@ -33,11 +35,30 @@ def job_env(cluster) -> dict:
     return env
 
 
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, chat_rows):
+    """tiny_data's 16 train and 8 validation conversations, for every test of this module."""
+    root = tmp_path_factory.mktemp("slurm_data")
+    return (write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet"),
+            write_parquet([{"messages": c} for c in chat_rows[16:24]], root / "val.parquet"))
+
+
+@pytest.fixture(scope="module")
+def torchrun_losses(tmp_path_factory, model_path, data) -> dict:
+    """step -> loss of the jobs' config under torchrun with 2 processes: one reference run
+    for both jobs (the 2-step job compares its steps with the first 2)."""
+    out = tmp_path_factory.mktemp("torchrun") / "run"
+    proc = run_cli("hpsft.train", base_overrides(model_path, *data, out, **JOB_CONFIG), nproc=2)
+    assert proc.returncode == 0, f"torchrun exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return {m["step"]: m["train/loss"] for m in read_metrics(out) if "train/loss" in m}
+
+
 @pytest.mark.slow
-def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, model_path, tiny_data):  # noqa: F811
-    train, val = tiny_data
-    extra = {"engine.zero_stage": 2, "trainer.total_steps": 2}
-    slurm_out, torchrun_out = tmp_path / "slurm_run", tmp_path / "torchrun_run"
+def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, model_path, data,  # noqa: F811
+                                               torchrun_losses):
+    train, val = data
+    extra = {**JOB_CONFIG, "trainer.total_steps": 2, "trainer.export_hf": "true"}
+    slurm_out = tmp_path / "slurm_run"
 
     env = job_env(slurm_cluster)
     log = tmp_path / "slurm-%j.out"
@@ -62,10 +83,7 @@ def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, model_pa
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
     # The same config under torchrun, 2 processes: the same first loss.
-    proc = run_cli("hpsft.train", base_overrides(model_path, train, val, torchrun_out, **extra), nproc=2)
-    assert proc.returncode == 0, f"torchrun exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    reference = read_metrics(torchrun_out)
-    assert rel_diff(metrics[0]["train/loss"], reference[0]["train/loss"]) < 1e-5, (metrics[0], reference[0])
+    assert rel_diff(metrics[0]["train/loss"], torchrun_losses[1]) < 1e-5, (metrics[0], torchrun_losses[1])
     print(f"slurm job {job_id}: {slurm_seconds:.1f} s")
 
 
@@ -101,18 +119,17 @@ PROBE=srun srun --kill-on-bad-exit=1 {sys.executable} -c "$PROBE_CODE"
 
 @pytest.mark.slow
 def test_signal_checkpoints_requeues_and_resumes_the_identical_run(tmp_path, slurm_cluster, model_path,  # noqa: F811
-                                                                   tiny_data):
+                                                                   data, torchrun_losses):
     """What --signal=USR1@<s> does before the time limit, sent early with `scancel --signal`:
     every task finishes its step, saves, exits 75; the template requeues the job, which
     resumes from that checkpoint and ends with the losses of a run never interrupted."""
-    train, val = tiny_data
-    extra = {"engine.zero_stage": 2, "trainer.total_steps": 4, "trainer.export_hf": "false"}
-    slurm_out, torchrun_out = tmp_path / "slurm_run", tmp_path / "torchrun_run"
+    train, val = data
+    slurm_out = tmp_path / "slurm_run"
     env = job_env(slurm_cluster)
     log = tmp_path / "slurm-%j.out"
     job_id = slurm_cluster.run_with_env(
         env, "sbatch", "--parsable", "--ntasks=2", f"--chdir={REPO}", f"--output={log}", str(SBATCH_SCRIPT),
-        *base_overrides(model_path, train, val, slurm_out, **extra)).stdout.strip().split(";")[0]
+        *base_overrides(model_path, train, val, slurm_out, **JOB_CONFIG)).stdout.strip().split(";")[0]
     metrics = slurm_out / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and metrics.read_text().strip()):
@@ -130,12 +147,9 @@ def test_signal_checkpoints_requeues_and_resumes_the_identical_run(tmp_path, slu
     stop_step = int(re.search(r" at step (\d+)", resumed[0]).group(1))
     assert 1 <= stop_step < 4, resumed
 
-    proc = run_cli("hpsft.train", base_overrides(model_path, train, val, torchrun_out, **extra), nproc=2)
-    assert proc.returncode == 0, f"torchrun exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    reference = {m["step"]: m["train/loss"] for m in read_metrics(torchrun_out) if "train/loss" in m}
     ours = {m["step"]: m["train/loss"] for m in read_metrics(slurm_out) if "train/loss" in m}
-    assert sorted(ours) == sorted(reference) == [1, 2, 3, 4]
-    for step, loss in reference.items():
+    assert sorted(ours) == sorted(torchrun_losses) == [1, 2, 3, 4]
+    for step, loss in torchrun_losses.items():
         assert rel_diff(ours[step], loss) < 1e-5, (step, ours[step], loss)
 
 

@@ -1,15 +1,18 @@
-"""One optimizer step through hpsft's DeepSpeedEngine, once per micro-batch count; rank 0
-saves each step's gradients as DeepSpeed holds them after accumulation and reduction (read
-just before the optimizer step), and the step's loss, to a torch file.
+"""One optimizer step through hpsft's DeepSpeedEngine, once per engine variant and
+micro-batch count; rank 0 saves each step's gradients as DeepSpeed holds them after
+accumulation and reduction (read just before the optimizer step), and the step's loss, to a
+torch file.
 
     [torchrun --nproc_per_node N] tests/dist_scripts/capture_step_grads.py \
-        SEQUENCES_PT OUT_PT MICRO_BATCHES[,MICRO_BATCHES...] model.path=... engine.key=value ...
+        SEQUENCES_PT OUT_PT MICRO_BATCHES[,MICRO_BATCHES...] VARIANT[;VARIANT...] model.path=... engine.key=value ...
 
-SEQUENCES_PT holds a list of {input_ids, loss_mask}: rank r takes sequences r, r+N, ...
-and splits its share into MICRO_BATCHES packed rows, in order. OUT_PT gets
-{micro_batches: {"grads": {name: tensor}, "loss": float, "rows": [every rank's rows],
-"weight_dtypes": [the module's], "masters_beyond_bf16": fraction of the optimizer's master weights
-that bf16 cannot represent after the step}}.
+A VARIANT is space-separated overrides on top of the common ones that follow (one process
+start-up for every variant: each step builds its own engine anyway). SEQUENCES_PT holds a
+list of {input_ids, loss_mask}: rank r takes sequences r, r+N, ... and splits its share
+into MICRO_BATCHES packed rows, in order. OUT_PT gets {variant: {micro_batches: {"grads":
+{name: tensor}, "loss": float, "rows": [every rank's rows], "weight_dtypes": [the
+module's], "masters_beyond_bf16": fraction of the optimizer's master weights that bf16
+cannot represent after the step}}}.
 """
 
 import sys
@@ -61,18 +64,21 @@ def one_step(config, rows: list[dict], global_loss_tokens: int) -> dict:
 
 
 def main() -> None:
-    sequences_pt, out_pt, counts = sys.argv[1:4]
-    config = load_config(None, [a for a in sys.argv[4:] if not a.startswith("--local_rank")])
-    init_distributed(config.engine.dist_backend)
+    sequences_pt, out_pt, counts, variants = sys.argv[1:5]
+    common = [a for a in sys.argv[5:] if not a.startswith("--local_rank")]
+    init_distributed(load_config(None, common).engine.dist_backend)
     samples = [{**s, "index": i} for i, s in enumerate(torch.load(sequences_pt))]
     global_loss_tokens = loss_token_count(collate_jagged(samples))
     results = {}
-    for count in map(int, counts.split(",")):
-        rows = rank_rows(samples, count)
-        every_rank_rows = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank_rows, rows)
-        results[count] = {**one_step(config, rows, global_loss_tokens),
-                          "rows": [row for ranks_rows in every_rank_rows for row in ranks_rows]}
+    for variant in variants.split(";"):
+        config = load_config(None, [*common, *variant.split()])
+        results[variant] = {}
+        for count in map(int, counts.split(",")):
+            rows = rank_rows(samples, count)
+            every_rank_rows = [None] * dist.get_world_size()
+            dist.all_gather_object(every_rank_rows, rows)
+            results[variant][count] = {**one_step(config, rows, global_loss_tokens),
+                                       "rows": [row for ranks_rows in every_rank_rows for row in ranks_rows]}
     if dist.get_rank() == 0:
         torch.save(results, out_pt)
 
