@@ -52,6 +52,8 @@ def _torch_varlen_kernel():
 
 
 VARLEN_KERNEL = _torch_varlen_kernel()
+# Whether it takes fewer key/value heads itself (else they are repeated to the query heads).
+VARLEN_KERNEL_TAKES_GQA = VARLEN_KERNEL is not None and "enable_gqa" in inspect.signature(VARLEN_KERNEL).parameters
 
 
 def runs_varlen_kernel(query, softcap, sinks, dropout) -> bool:
@@ -69,7 +71,7 @@ def varlen_kernel_attention(query, key, value, bounds, scaling, sliding_window):
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     gqa = {}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in inspect.signature(VARLEN_KERNEL).parameters:
+        if VARLEN_KERNEL_TAKES_GQA:
             gqa = {"enable_gqa": True}
         else:
             groups = q.shape[1] // k.shape[1]
