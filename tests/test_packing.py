@@ -95,6 +95,42 @@ def test_token_accuracy_counts_argmax_hits_on_loss_tokens(model_path):
     assert not_asked.item() == -1
 
 
+def test_packed_rows_pass_int32_boundaries_and_the_longest_sequence_to_every_layer(model_path):
+    """flash-attn's and torch's varlen kernels take int32 boundaries, and the longest sequence
+    as a number: PackedCausalLM computes both once per forward and every layer gets them."""
+    from transformers import AttentionInterface
+
+    from hpsft.models.varlen_attention import varlen_attention
+
+    received = []
+
+    def recording_attention(module, query, key, value, attention_mask, **kwargs):
+        received.append((kwargs["cu_seq_lens_q"], kwargs["max_length_q"]))
+        return varlen_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_recording_varlen", recording_attention)
+    lm = load_causal_lm(model_path, "hpsft_varlen")
+    lm.set_attn_implementation("test_recording_varlen")
+    row = packed_row(random_batch([4, 1, 9], seed=5))
+    with torch.no_grad():
+        PackedCausalLM(lm).eval().logits(row["input_ids"], row["position_ids"], row["offsets"])
+    assert len(received) == lm.config.num_hidden_layers
+    for cu_seq_lens, max_length in received:
+        assert cu_seq_lens.dtype == torch.int32 and cu_seq_lens.tolist() == [0, 4, 5, 14]
+        assert max_length == 9
+
+
+def test_whole_row_kernel_bounds_given_or_derived_from_position_ids_agree():
+    from hpsft.models.varlen_attention import kernel_bounds
+
+    row = packed_row(random_batch([3, 7, 1], seed=6))
+    query = torch.zeros(1, 2, 11, 8)
+    given = kernel_bounds(row["offsets"].to(torch.int32), 7, None, query)
+    derived = kernel_bounds(None, None, row["position_ids"], query)
+    for cu_seq, longest in (given, derived):
+        assert cu_seq.dtype == torch.int32 and cu_seq.tolist() == [0, 3, 10, 11] and longest == 7
+
+
 def row_wide_causal_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Causal attention over the whole packed row: ignores the sequence boundaries."""
     out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)

@@ -41,15 +41,20 @@ def packed_qkv(q_heads=8, kv_heads=2, head_dim=64):
     return [torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_() for s in shapes]
 
 
+@pytest.mark.parametrize("boundaries", ["as PackedCausalLM passes them", "from position ids"])
 @pytest.mark.parametrize("sliding_window", [None, 16])
-def test_whole_row_kernel_matches_per_sequence_attention(sliding_window):
+def test_whole_row_kernel_matches_per_sequence_attention(sliding_window, boundaries):
     assert varlen_attention.VARLEN_KERNEL is not None, f"torch {torch.__version__} has no varlen_attn with window_size"
     query, key, value = packed_qkv()
     assert runs_varlen_kernel(query, None, None, 0.0)
     offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda")
+    if boundaries == "from position ids":
+        row = {"position_ids": torch.cat([torch.arange(n, device="cuda") for n in LENGTHS])[None]}
+    else:  # int32 boundaries and the longest sequence, taken by every layer as they are
+        row = {"cu_seq_lens_q": offsets.to(torch.int32), "max_length_q": max(LENGTHS)}
     scaling = query.shape[-1] ** -0.5
     out, _ = varlen_attention.varlen_attention(CausalAttention(), query, key, value, None, scaling=scaling,
-                                               sliding_window=sliding_window, cu_seq_lens_q=offsets)
+                                               sliding_window=sliding_window, **row)
     upstream = torch.randn_like(out)
     grads = torch.autograd.grad(out, (query, key, value), upstream)
 

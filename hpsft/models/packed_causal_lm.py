@@ -88,14 +88,16 @@ class PackedCausalLM(nn.Module):
     def hidden_states(self, input_ids, position_ids, offsets):
         """The decoder's last hidden state (T, H), scaled as the family scales its logits, and
         the router logits per layer (MoE with the router loss on; else None)."""
-        # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn).
-        # Under sequence parallelism input_ids are a slice and offsets the whole row's: the
-        # attention function sees the whole row (ulysses_attention.py).
+        # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn),
+        # computed once per forward rather than by every layer. int32, as flash-attn's and torch's
+        # varlen kernels require. Under sequence parallelism input_ids are a slice and offsets the
+        # whole row's: the attention function sees the whole row (ulysses_attention.py).
+        cu_seq_lens = offsets.to(torch.int32)
         max_length = int(offsets.diff().max()) if offsets.numel() > 1 else 0
         with_router = self.output_side.router_aux_loss is not None
         out = self.lm.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False,
-            cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=max_length, max_length_k=max_length,
+            cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max_length, max_length_k=max_length,
             **({"output_router_logits": True} if with_router else {}),
             **({"sequence_parallel": self.sequence_parallel} if self.sequence_parallel else {}),
         )

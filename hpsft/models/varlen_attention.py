@@ -36,7 +36,7 @@ ATTN_IMPLEMENTATION = "hpsft_varlen"
 
 # Keywords transformers' layers pass that do not change the attention of a packed training row
 # (flags that are None or False are ignored too).
-IGNORED_KWARGS = {"position_ids", "cu_seq_lens_k", "max_length_q", "max_length_k", "output_attentions",
+IGNORED_KWARGS = {"position_ids", "cu_seq_lens_k", "max_length_k", "output_attentions",
                   "use_cache", "cache_position", "past_key_values", "position_embeddings", "is_causal",
                    "output_router_logits", "output_hidden_states", "return_dict"}
 
@@ -64,10 +64,19 @@ def runs_varlen_kernel(query, softcap, sinks, dropout) -> bool:
             and not dropout)
 
 
-def varlen_kernel_attention(query, key, value, bounds, scaling, sliding_window):
-    """(1, H, T, D) query/key/value of a packed row -> (1, T, Hq, D), one kernel call."""
-    cu_seq = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+def kernel_bounds(cu_seq_lens, max_length, position_ids, query) -> tuple[torch.Tensor, int]:
+    """(int32 sequence boundaries on the query's device, longest sequence) for the whole-row
+    kernel. From what PackedCausalLM passes, computed once per forward, every layer takes them as
+    they are: no host synchronisation per layer. Without them, derived here (a sync)."""
+    if cu_seq_lens is not None and max_length is not None:
+        return cu_seq_lens.to(device=query.device, dtype=torch.int32), int(max_length)
+    bounds = sequence_bounds(cu_seq_lens, position_ids, query.shape[2])
     longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    return torch.tensor(bounds, dtype=torch.int32, device=query.device), longest
+
+
+def varlen_kernel_attention(query, key, value, cu_seq, longest, scaling, sliding_window):
+    """(1, H, T, D) query/key/value of a packed row -> (1, T, Hq, D), one kernel call."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     gqa = {}
     if k.shape[1] != q.shape[1]:
@@ -135,7 +144,7 @@ def sequence_attention(query, key, value, scaling, sliding_window, softcap, sink
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                     softcap=None, s_aux=None, cu_seq_lens_q=None, position_ids=None, **kwargs):
+                     softcap=None, s_aux=None, cu_seq_lens_q=None, max_length_q=None, position_ids=None, **kwargs):
     """query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D), as transformers expects."""
     if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise ValueError(
@@ -151,9 +160,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                          f"{sorted(unknown)} that hpsft does not implement")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     dropout = dropout if module.training else 0.0
-    bounds = sequence_bounds(cu_seq_lens_q, position_ids, query.shape[2])
     if runs_varlen_kernel(query, softcap, s_aux, dropout):
-        return varlen_kernel_attention(query, key, value, bounds, scaling, sliding_window), None
+        cu_seq, longest = kernel_bounds(cu_seq_lens_q, max_length_q, position_ids, query)
+        return varlen_kernel_attention(query, key, value, cu_seq, longest, scaling, sliding_window), None
+    bounds = sequence_bounds(cu_seq_lens_q, position_ids, query.shape[2])
     outputs = [
         sequence_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, sliding_window, softcap,
                            s_aux, dropout)
