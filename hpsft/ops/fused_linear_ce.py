@@ -33,8 +33,13 @@ import torch
 
 from hpsft.ops.row_options import RowKernel, RowOptions
 
-LOGIT_BLOCK_BYTES = 128 * 2**20  # CPU: one (rows, V) block: large enough that d(weight) is updated
-# in few passes (682 rows at V=49152 fp32), small next to materialised logits
+# CPU: one (rows, V) block of 128 MiB (682 rows at V=49152 fp32), small next to materialised
+# logits, but at least CPU_MIN_CHUNK_ROWS rows: each chunk's d(weight) GEMM reads and writes
+# the whole (V, H) fp32 accumulator, traffic per FLOP that falls as 1 / rows whatever V and H
+# are. At H=4096, V=128256, 2048 tokens (fp32, 2 threads, fwd+bwd): 261 rows (128 MiB)
+# 57.8 s, 1024 rows 42.5 s, 2048 rows 39-44 s, materialised logits 46.1 s (docs/performance.md).
+LOGIT_BLOCK_BYTES = 128 * 2**20
+CPU_MIN_CHUNK_ROWS = 1024
 # GPU: the blocks (fp32 logits + 16-bit d(logits)) take at most this share of the free memory,
 # and at most GPU_MAX_CHUNK_ROWS rows. Each chunk's d(weight) GEMM reads and writes the fp32
 # (V, H) accumulator, so fewer rows per chunk cost time: on the lent H200 (H=4096, V=128256,
@@ -85,8 +90,8 @@ def gemm_dtype_for(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
-    """CPU: rows of a LOGIT_BLOCK_BYTES block of `dtype`."""
-    return max(1, LOGIT_BLOCK_BYTES // (vocab_size * dtype.itemsize))
+    """CPU: rows of a LOGIT_BLOCK_BYTES block of `dtype`, at least CPU_MIN_CHUNK_ROWS."""
+    return max(CPU_MIN_CHUNK_ROWS, LOGIT_BLOCK_BYTES // (vocab_size * dtype.itemsize))
 
 
 def gpu_chunk_rows(vocab_size: int, bytes_per_logit: int, device: torch.device) -> int:

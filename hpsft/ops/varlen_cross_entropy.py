@@ -132,7 +132,8 @@ def varlen_linear_cross_entropy(
     """Cross-entropy of softcap(hidden @ weight.T + bias) without materialising the logits.
 
     hidden (T, H) or nested jagged; weight (V, H); bias (V,) or None. chunk_rows: rows per
-    logit block (default: a 128 MiB block on CPU; on CUDA from free memory, at most 4096).
+    logit block (default: a 128 MiB block on CPU, at least 1024 rows; on CUDA from free memory,
+    at most 4096).
     gemm_dtype: operand dtype of the three GEMMs, None for the default (the inputs' bf16/fp16
     on CUDA, tensor cores with fp32 accumulation; fp32 elsewhere), else fp32 or the inputs'
     16-bit dtype (see fused_linear_ce). Differentiable w.r.t. hidden, weight and bias.
