@@ -4,21 +4,24 @@ The full SmolLM2-135M in fp32, one process, the default engine (ZeRO-2) and data
 (micro-batches of 8 conversations), optimizer steps of N chatterbot conversations. Several
 engine variants live in one process and take turns on the same batches, so a busy
 neighbour slows them alike:
-  zero2        the default engine
-  zero0        no ZeRO (the baseline ZeRO-2 on one rank should match)
-  zero2-adamw  ZeRO-2 with torch's single-tensor AdamW (before the fused one)
+  zero2            the default engine (engine.zero_stage=2: in one process DeepSpeed's stage 1)
+  zero0            no ZeRO (the baseline ZeRO-2 on one rank should match)
+  zero2-ds         DeepSpeed's own stage 2 in one process (the default before session 6)
+  zero2-adamw      the default engine with torch's single-tensor AdamW (before the fused one)
+  zero2-noncontig  the default engine with DeepSpeed's contiguous_gradients off
 
 Each engine call is timed (forward, backward, step) and, inside them, DeepSpeed's gradient
 reduction hooks (backward: copies into its bucket and flat gradient partition), the gradient
 norm and clipping (inside step() under ZeRO, before it without), and the AdamW step; the
 rest of step() is, under ZeRO, flattening the gradients and copying the fp32 partition
-back into the model's weights. "other": the rest of train_batch (zero_grad, the LR). The fixed per-step cost is the intercept a of step time = a + b * tokens,
+back into the model's weights. "other": the rest of train_batch (zero_grad, the LR). The
+fixed per-step cost is the intercept a of step time = a + b * tokens,
 fitted over the default engine's steps of every batch size. MFU is model FLOPs (as the
 trainer counts them) over a GEMM peak of the model's MLP shape measured in this run
 (before and after the steps; the larger reading).
 
     python benchmarks/bench_train_step.py [--batches 4,8,16,32] [--compare 8,32] [--steps 3]
-        [--variants zero2,zero0,zero2-adamw] [--model DIR] [--data FILE]
+        [--variants zero2,zero0,zero2-ds] [--model DIR] [--data FILE]
 
 Every engine holds ~4-5 GB (fp32 weights, ZeRO's fp32 copy, AdamW moments, gradient
 buffers): on a small machine run two variants per process.
@@ -34,7 +37,15 @@ import torch
 
 from bench_packing import load_sequences
 
-VARIANTS = ("zero2", "zero0", "zero2-adamw")
+# name -> (engine.zero_stage, the stage DeepSpeed is made to run or None for the engine's
+# choice, DeepSpeed zero_optimization overrides)
+VARIANTS = {
+    "zero2": (2, None, {}),
+    "zero0": (0, None, {}),
+    "zero2-ds": (2, 2, {}),
+    "zero2-adamw": (2, None, {}),
+    "zero2-noncontig": (2, None, {"contiguous_gradients": False}),
+}
 PARTS = ("forward", "backward", "zero_reduce", "grad_norm_clip", "optimizer", "step", "total")
 
 
@@ -58,7 +69,17 @@ def build_engine(variant: str, model: str):
     from hpsft.engine.deepspeed_engine import DeepSpeedEngine
     from hpsft.models import PackedCausalLM, load_causal_lm
 
+    stage, forced_stage, zero_overrides = VARIANTS[variant]
+
     class Variant(DeepSpeedEngine):
+        def zero_stage_to_run(self):
+            return forced_stage if forced_stage is not None else super().zero_stage_to_run()
+
+        def deepspeed_config(self):
+            config = super().deepspeed_config()
+            config["zero_optimization"].update(zero_overrides)
+            return config
+
         def build_optimizer(self, module):
             optimizer = super().build_optimizer(module)
             if variant == "zero2-adamw":
@@ -66,7 +87,7 @@ def build_engine(variant: str, model: str):
                     group["fused"] = False  # read at every step()
             return optimizer
 
-    engine = Variant(EngineConfig(zero_stage=0 if variant == "zero0" else 2), OptimConfig(), total_steps=1000)
+    engine = Variant(EngineConfig(zero_stage=stage), OptimConfig(), total_steps=1000)
     engine.initialize(PackedCausalLM(load_causal_lm(model)))
     times = defaultdict(float)
     ds = engine.engine
@@ -74,7 +95,7 @@ def build_engine(variant: str, model: str):
     timed(ds, "backward", "backward", times)
     timed(ds, "step", "step", times)
     timed(engine, "train_batch", "total", times)
-    zero = ds.optimizer if variant != "zero0" else None
+    zero = ds.optimizer if engine.zero_stage_to_run() > 0 else None
     torch_optimizer = zero.optimizer if zero is not None else ds.optimizer
     timed(torch_optimizer, "step", "optimizer", times)
     if zero is not None:  # hooks and epilogue of the gradient reduction; norm; clip
@@ -103,11 +124,11 @@ def main() -> None:
     parser.add_argument("--batches", default="4,8,16,32", help="conversations per step for the default engine's fit")
     parser.add_argument("--compare", default="8,32", help="conversations per step every variant runs")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per variant and size (after a warm-up)")
-    parser.add_argument("--variants", default="zero2,zero0,zero2-adamw")
+    parser.add_argument("--variants", default="zero2,zero0,zero2-ds")
     args = parser.parse_args()
     variants = args.variants.split(",")
     if variants[0] != "zero2" or not set(variants) <= set(VARIANTS):
-        parser.error(f"--variants: zero2 first, then any of {', '.join(VARIANTS[1:])}")
+        parser.error(f"--variants: zero2 first, then any of {', '.join(list(VARIANTS)[1:])}")
 
     from hpsft import distributed
     from hpsft.config.schema import DataConfig
@@ -169,7 +190,7 @@ def main() -> None:
         m = {part: statistics.median(r.get(part, 0.0) for r in measured) for part in (*PARTS, "tokens", "flops")}
         medians[variant, size] = m
         # ZeRO-2 takes the norm and clips inside step(); without ZeRO the engine does, before it.
-        norm_in_step = m["grad_norm_clip"] if variant != "zero0" else 0.0
+        norm_in_step = m["grad_norm_clip"] if VARIANTS[variant][0] > 0 else 0.0  # stage 0: before step()
         copies = m["step"] - norm_in_step - m["optimizer"]
         other = m["total"] - m["forward"] - m["backward"] - m["step"] - (m["grad_norm_clip"] - norm_in_step)
         print(f"| {variant} | {size} | {m['tokens']:.0f} | {m['total']:.2f} | {m['forward']:.2f} | "

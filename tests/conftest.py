@@ -93,6 +93,20 @@ def write_jsonl(rows: list, path: Path) -> str:
     return str(path)
 
 
+def write_tiny_llama(folder: Path) -> Path:
+    """A 2-layer Llama with random weights (seed 0) and a 512-token vocabulary: optimizer
+    steps take milliseconds."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def tiny_data(tmp_path, chat_rows):
     """16 train and 8 validation conversations as parquet."""

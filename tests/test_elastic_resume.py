@@ -1,10 +1,11 @@
 """Resume with another data-parallel size: the position in the sample stream, and
-DeepSpeed's ZeRO state resharded through its universal checkpoint form."""
+DeepSpeed's ZeRO state resharded through its universal checkpoint form; and with another
+DeepSpeed stage in one process."""
 
 import pytest
 import torch
 
-from tests.conftest import base_overrides, read_metrics, run_cli, write_parquet
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet, write_tiny_llama
 from tests.test_spmd_training import assert_ok, rel_diff
 
 STEPS = 4  # the straight run saves at step 2 (the first resume's start), the resumed ones every step
@@ -104,3 +105,19 @@ def test_resume_with_another_data_parallel_size_continues_the_straight_run(tmp_p
             print(f"zero{zero_stage} dp {saved_dp}->{resumed_dp} step {s}: loss rel err {error:.2e}")
             assert error <= LOSS_RTOL, (resumed_dp, s, error)
         source = out
+
+
+def test_a_stage_2_checkpoint_of_one_process_resumes_exactly_under_stage_1(tmp_path):
+    """engine.zero_stage=2 in one process used to run DeepSpeed's stage 2 and now runs stage 1
+    (DeepSpeedEngine.zero_stage_to_run): a checkpoint of the former, resumed by the latter,
+    continues as the stage-2 engine that wrote it does (the same optimizer and layout)."""
+    out = tmp_path / "runs.pt"
+    proc = run_cli(None, [str(write_tiny_llama(tmp_path / "tiny-llama")), str(tmp_path / "checkpoints"), str(out)],
+                   script=str(REPO / "tests" / "dist_scripts" / "stage2_checkpoint_into_stage1.py"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = torch.load(out)
+    assert [runs[name]["deepspeed_stage"] for name in ("stage2", "resumed")] == [2, 1]
+    torch.testing.assert_close(torch.tensor(runs["resumed"]["grad_norms"]), torch.tensor(runs["stage2"]["grad_norms"]),
+                               rtol=1e-6, atol=0)
+    for name, weight in runs["stage2"]["weights"].items():
+        torch.testing.assert_close(runs["resumed"]["weights"][name], weight, rtol=1e-6, atol=1e-7, msg=name)

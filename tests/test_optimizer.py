@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-import transformers
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.engine.deepspeed_engine import DeepSpeedEngine
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, write_tiny_llama
 
 
 def adamw_fp64(params, grads_per_step, lr, betas, eps, weight_decays):
@@ -48,21 +47,18 @@ def test_cpu_optimizer_is_fused_adamw_and_matches_the_fp64_reference():
 
 
 def test_engine_steps_equal_plain_torch_adamw_with_clipping(tmp_path):
-    """Three clipped steps of the engine, without ZeRO and with ZeRO-2 (one rank), against the
-    same steps in plain PyTorch (single-tensor AdamW, clip_grad_norm_): the same gradient norms
-    and weights, whatever the engine's optimizer, clipping and gradient buffers do."""
-    model = tmp_path / "tiny-llama"
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )).save_pretrained(model)
+    """Three clipped steps of the engine, without ZeRO and with ZeRO-2 (one rank, where
+    DeepSpeed runs it as stage 1: zero_stage_to_run), against the same steps in plain PyTorch
+    (single-tensor AdamW, clip_grad_norm_): the same gradient norms and weights, whatever the
+    engine's optimizer, clipping and gradient buffers do."""
+    model = write_tiny_llama(tmp_path / "tiny-llama")
     out = tmp_path / "runs.pt"
     proc = run_cli(None, [str(model), str(out), "0,2"],
                    script=str(REPO / "tests" / "dist_scripts" / "engine_steps_vs_torch.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = torch.load(out)
     reference = runs.pop("torch")
+    assert {name: run["deepspeed_stage"] for name, run in runs.items()} == {"zero0": 0, "zero2": 1}
     assert all(norm > 0.5 for norm in reference["grad_norms"])  # the clip (0.5) binds at every step
     for name, run in runs.items():
         torch.testing.assert_close(torch.tensor(run["grad_norms"]), torch.tensor(reference["grad_norms"]),

@@ -40,7 +40,7 @@ def engine_run(model: str, stage: int, steps: list) -> dict:
     norms = [engine.train_batch(rows, lambda out: out["loss"] / tokens)["grad_norm"] for rows, tokens in steps]
     weights = {name: tensor.clone() for name, tensor in engine.gathered_tensors(
         [name for name, _ in engine.module.named_parameters()])}
-    return {"grad_norms": norms, "weights": weights}
+    return {"grad_norms": norms, "weights": weights, "deepspeed_stage": engine.engine.zero_optimization_stage()}
 
 
 def torch_run(model: str, steps: list) -> dict:
