@@ -126,8 +126,8 @@ class DeepSpeedEngine(TrainEngine):
         the step's last micro-batch, with the same optimizer state and checkpoint layout (both
         are DeepSpeed's stage-1/2 optimizer; a resume on N ranks reshards either alike).
         Measured in docs/performance.md (steps of 4 micro-batches: ZeRO-2 1.16x ZeRO-0's time,
-        stage 1 1.01x). bf16 keeps its stage: the two accumulate its fp32 gradients differently
-        (docs/precision.md)."""
+        stage 1 1.01x). bf16 keeps its stage: there DeepSpeed's stage 1 is its BF16_Optimizer, another
+        optimizer with another checkpoint layout (docs/precision.md)."""
         one_process = dist.is_initialized() and dist.get_world_size() == 1
         if (self.config.zero_stage == 2 and one_process and self.config.dtype == "float32"
                 and not self.config.offload_optimizer):
