@@ -190,7 +190,7 @@ def main() -> None:
         m = {part: statistics.median(r.get(part, 0.0) for r in measured) for part in (*PARTS, "tokens", "flops")}
         medians[variant, size] = m
         # ZeRO-2 takes the norm and clips inside step(); without ZeRO the engine does, before it.
-        norm_in_step = m["grad_norm_clip"] if VARIANTS[variant][0] > 0 else 0.0  # stage 0: before step()
+        norm_in_step = m["grad_norm_clip"] if VARIANTS[variant][0] > 0 else 0.0
         copies = m["step"] - norm_in_step - m["optimizer"]
         other = m["total"] - m["forward"] - m["backward"] - m["step"] - (m["grad_norm_clip"] - norm_in_step)
         print(f"| {variant} | {size} | {m['tokens']:.0f} | {m['total']:.2f} | {m['forward']:.2f} | "

@@ -34,13 +34,22 @@ def random_steps(vocab: int) -> list[tuple[list[dict], int]]:
     return steps
 
 
-def engine_run(model: str, stage: int, steps: list) -> dict:
-    engine = DeepSpeedEngine(EngineConfig(zero_stage=stage), OPTIM, total_steps=STEPS)
+def built_engine(model: str, stage: int, engine_class=DeepSpeedEngine) -> DeepSpeedEngine:
+    engine = engine_class(EngineConfig(zero_stage=stage), OPTIM, total_steps=STEPS)
     engine.initialize(PackedCausalLM(load_causal_lm(model)))
+    return engine
+
+
+def stepped(engine: DeepSpeedEngine, steps: list) -> dict:
+    """The engine's gradient norms over `steps`, its weights after them and the stage it ran."""
     norms = [engine.train_batch(rows, lambda out: out["loss"] / tokens)["grad_norm"] for rows, tokens in steps]
     weights = {name: tensor.clone() for name, tensor in engine.gathered_tensors(
         [name for name, _ in engine.module.named_parameters()])}
     return {"grad_norms": norms, "weights": weights, "deepspeed_stage": engine.engine.zero_optimization_stage()}
+
+
+def engine_run(model: str, stage: int, steps: list) -> dict:
+    return stepped(built_engine(model, stage), steps)
 
 
 def torch_run(model: str, steps: list) -> dict:

@@ -9,11 +9,10 @@ import sys
 
 import torch
 
-from engine_steps_vs_torch import OPTIM, STEPS, random_steps
-from hpsft.config.schema import EngineConfig
+from engine_steps_vs_torch import built_engine, random_steps, stepped
 from hpsft.distributed import init_distributed
 from hpsft.engine import DeepSpeedEngine
-from hpsft.models import PackedCausalLM, load_causal_lm
+from hpsft.models import load_causal_lm
 
 
 class DeepSpeedStage2(DeepSpeedEngine):
@@ -21,30 +20,18 @@ class DeepSpeedStage2(DeepSpeedEngine):
         return 2
 
 
-def built(engine_class, model: str) -> DeepSpeedEngine:
-    engine = engine_class(EngineConfig(zero_stage=2), OPTIM, total_steps=STEPS)
-    engine.initialize(PackedCausalLM(load_causal_lm(model)))
-    return engine
-
-
-def continued(engine: DeepSpeedEngine, steps: list) -> dict:
-    norms = [engine.train_batch(rows, lambda out, t=tokens: out["loss"] / t)["grad_norm"] for rows, tokens in steps]
-    weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-    return {"grad_norms": norms, "weights": weights, "deepspeed_stage": engine.engine.zero_optimization_stage()}
-
-
 def main() -> None:
     model, checkpoint_dir, out_pt = sys.argv[1:4]
     init_distributed()
     torch.manual_seed(0)
     steps = random_steps(load_causal_lm(model).config.vocab_size)
-    writer = built(DeepSpeedStage2, model)
-    continued(writer, steps[:1])
+    writer = built_engine(model, 2, DeepSpeedStage2)
+    stepped(writer, steps[:1])
     writer.save_checkpoint(checkpoint_dir, "step_1")
-    results = {"stage2": continued(writer, steps[1:])}
-    resumed = built(DeepSpeedEngine, model)
+    results = {"stage2": stepped(writer, steps[1:])}
+    resumed = built_engine(model, 2)
     resumed.load_checkpoint(checkpoint_dir, "step_1")
-    results["resumed"] = continued(resumed, steps[1:])
+    results["resumed"] = stepped(resumed, steps[1:])
     torch.save(results, out_pt)
 
 
