@@ -4,11 +4,12 @@ The full SmolLM2-135M in fp32, one process, the default engine (ZeRO-2) and data
 (micro-batches of 8 conversations), optimizer steps of N chatterbot conversations. Several
 engine variants live in one process and take turns on the same batches, so a busy
 neighbour slows them alike:
-  zero2            the default engine (engine.zero_stage=2: in one process DeepSpeed's stage 1)
-  zero0            no ZeRO (the baseline ZeRO-2 on one rank should match)
-  zero2-ds         DeepSpeed's own stage 2 in one process (the default before session 6)
+  zero2            the default engine (engine.zero_stage=2: in one process, no ZeRO since session 7)
+  zero0            engine.zero_stage=0 (the baseline ZeRO-2 on one rank should match)
+  zero1-ds         DeepSpeed's stage 1 in one process (what zero2 ran in session 6)
+  zero2-ds         DeepSpeed's stage 2 in one process (what zero2 ran before session 6)
   zero2-adamw      the default engine with torch's single-tensor AdamW (before the fused one)
-  zero2-noncontig  the default engine with DeepSpeed's contiguous_gradients off
+  zero2-noncontig  DeepSpeed's stage 2 with its contiguous_gradients off
 
 Each engine call is timed (forward, backward, step) and, inside them, DeepSpeed's gradient
 reduction hooks (backward: copies into its bucket and flat gradient partition), the gradient
@@ -21,10 +22,10 @@ trainer counts them) over a GEMM peak of the model's MLP shape measured in this 
 (before and after the steps; the larger reading).
 
     python benchmarks/bench_train_step.py [--batches 4,8,16,32] [--compare 8,32] [--steps 3]
-        [--variants zero2,zero0,zero2-ds] [--model DIR] [--data FILE]
+        [--variants zero2,zero0,zero1-ds] [--model DIR] [--data FILE]
 
-Every engine holds ~4-5 GB (fp32 weights, ZeRO's fp32 copy, AdamW moments, gradient
-buffers): on a small machine run two variants per process.
+Every engine holds ~2-5 GB (fp32 weights, AdamW moments, gradients; under ZeRO also its fp32
+copy and gradient buffers): on a small machine run two or three variants per process.
 """
 
 import argparse
@@ -42,9 +43,10 @@ from bench_packing import load_sequences
 VARIANTS = {
     "zero2": (2, None, {}),
     "zero0": (0, None, {}),
+    "zero1-ds": (2, 1, {}),
     "zero2-ds": (2, 2, {}),
     "zero2-adamw": (2, None, {}),
-    "zero2-noncontig": (2, None, {"contiguous_gradients": False}),
+    "zero2-noncontig": (2, 2, {"contiguous_gradients": False}),
 }
 PARTS = ("forward", "backward", "zero_reduce", "grad_norm_clip", "optimizer", "step", "total")
 
@@ -95,7 +97,7 @@ def build_engine(variant: str, model: str):
     timed(ds, "backward", "backward", times)
     timed(ds, "step", "step", times)
     timed(engine, "train_batch", "total", times)
-    zero = ds.optimizer if engine.zero_stage_to_run() > 0 else None
+    zero = ds.optimizer if engine.stage > 0 else None
     torch_optimizer = zero.optimizer if zero is not None else ds.optimizer
     timed(torch_optimizer, "step", "optimizer", times)
     if zero is not None:  # hooks and epilogue of the gradient reduction; norm; clip
@@ -124,7 +126,7 @@ def main() -> None:
     parser.add_argument("--batches", default="4,8,16,32", help="conversations per step for the default engine's fit")
     parser.add_argument("--compare", default="8,32", help="conversations per step every variant runs")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per variant and size (after a warm-up)")
-    parser.add_argument("--variants", default="zero2,zero0,zero2-ds")
+    parser.add_argument("--variants", default="zero2,zero0,zero1-ds")
     args = parser.parse_args()
     variants = args.variants.split(",")
     if variants[0] != "zero2" or not set(variants) <= set(VARIANTS):

@@ -1,9 +1,9 @@
 """Export any checkpoint to a Hugging Face folder: python -m hpsft.export CHECKPOINT OUT_DIR
 
 CHECKPOINT is a `checkpoints/global_step_N` folder or a run's output_dir (its newest intact
-checkpoint). One process on the CPU, whatever the number of ranks and the ZeRO stage (1-3)
-that wrote it: DeepSpeed's zero_to_fp32 reassembles the fp32 weights from the shards, read
-lazily one tensor at a time, and they are written as the end of a run writes hf/ (safetensors
+checkpoint). One process on the CPU, whatever the number of ranks and the ZeRO stage (0-3)
+that wrote it: DeepSpeed's zero_to_fp32 reassembles the fp32 weights from ZeRO's shards, read
+lazily one tensor at a time (without ZeRO its model file holds them whole), and they are written as the end of a run writes hf/ (safetensors
 shards, config, tokenizer with the run's chat template).
 
 A LoRA run's checkpoint holds its adapters only (its settings are in run_fingerprint.json);
@@ -67,14 +67,23 @@ def run_config(checkpoint: Path):
 
 
 def checkpoint_tensors(checkpoint: Path, expected: set[str]) -> dict:
-    """The checkpoint's fp32 tensors, reassembled lazily from its ZeRO shards (each when asked);
-    it must hold exactly `expected`."""
+    """The checkpoint's fp32 tensors, reassembled lazily from its ZeRO shards (each when asked),
+    or without ZeRO the module in its model file (memory-mapped); it must hold exactly `expected`."""
+    import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    if not list(checkpoint.glob("*optim_states.pt")):
-        raise UserInputError(f"{checkpoint}: no ZeRO optimizer shards (*optim_states.pt); only checkpoints of "
-                             "engine.zero_stage 1-3 can be exported")
-    lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
+    from hpsft.engine.deepspeed_engine import MODEL_STATES
+
+    if list(checkpoint.glob("*optim_states.pt")):
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
+    elif (checkpoint / MODEL_STATES).is_file():  # written without ZeRO (one process runs ZeRO-1/2 so)
+        # DeepSpeed's file holds pickled objects beside the tensors (docs/checkpoints.md: a
+        # checkpoint is code, as with the ZeRO path above).
+        module = torch.load(checkpoint / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)["module"]
+        lazy = {name: tensor.float() for name, tensor in module.items()}
+    else:
+        raise UserInputError(f"{checkpoint}: neither ZeRO optimizer shards (*optim_states.pt) nor {MODEL_STATES}: "
+                             "not a DeepSpeed checkpoint")
     missing, unexpected = expected - set(lazy), set(lazy) - expected
     if missing or unexpected:
         raise UserInputError(

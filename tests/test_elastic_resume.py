@@ -107,17 +107,21 @@ def test_resume_with_another_data_parallel_size_continues_the_straight_run(tmp_p
         source = out
 
 
-def test_a_stage_2_checkpoint_of_one_process_resumes_exactly_under_stage_1(tmp_path):
-    """engine.zero_stage=2 in one process used to run DeepSpeed's stage 2 and now runs stage 1
-    (DeepSpeedEngine.zero_stage_to_run): a checkpoint of the former, resumed by the latter,
-    continues as the stage-2 engine that wrote it does (the same optimizer and layout)."""
+@pytest.mark.parametrize("writer, reader", [("ds2", "default"), ("default", "ds2")])
+def test_a_checkpoint_resumes_exactly_with_and_without_zero(tmp_path, writer, reader):
+    """engine.zero_stage=2 in one process runs without ZeRO (DeepSpeedEngine.zero_stage_to_run),
+    and wrote ZeRO checkpoints before: one written with DeepSpeed's ZeRO-2 continues without
+    ZeRO, and one written without ZeRO continues under ZeRO-2 (what a run on more ranks does),
+    each as the engine that wrote it continues (both through the universal layout)."""
     out = tmp_path / "runs.pt"
-    proc = run_cli(None, [str(write_tiny_llama(tmp_path / "tiny-llama")), str(tmp_path / "checkpoints"), str(out)],
-                   script=str(REPO / "tests" / "dist_scripts" / "stage2_checkpoint_into_stage1.py"))
+    proc = run_cli(None, [str(write_tiny_llama(tmp_path / "tiny-llama")), str(tmp_path / "checkpoints"), str(out),
+                          writer, reader],
+                   script=str(REPO / "tests" / "dist_scripts" / "checkpoint_across_stages.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "converted to DeepSpeed's universal checkpoint" in proc.stdout
     runs = torch.load(out)
-    assert [runs[name]["deepspeed_stage"] for name in ("stage2", "resumed")] == [2, 1]
-    torch.testing.assert_close(torch.tensor(runs["resumed"]["grad_norms"]), torch.tensor(runs["stage2"]["grad_norms"]),
+    assert [runs[name]["deepspeed_stage"] for name in ("writer", "resumed")] == ([2, 0] if writer == "ds2" else [0, 2])
+    torch.testing.assert_close(torch.tensor(runs["resumed"]["grad_norms"]), torch.tensor(runs["writer"]["grad_norms"]),
                                rtol=1e-6, atol=0)
-    for name, weight in runs["stage2"]["weights"].items():
+    for name, weight in runs["writer"]["weights"].items():
         torch.testing.assert_close(runs["resumed"]["weights"][name], weight, rtol=1e-6, atol=1e-7, msg=name)

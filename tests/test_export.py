@@ -83,6 +83,25 @@ def test_zero_to_fp32_loads_strictly_and_any_checkpoint_exports(tmp_path, model_
     assert f"hpsft: error: {tmp_path / 'final'} exists and is not an empty folder" in proc.stderr
 
 
+def test_a_checkpoint_without_zero_exports(tmp_path, model_path, tiny_data):
+    """One process runs engine.zero_stage=2 without ZeRO (zero_stage_to_run): its checkpoints
+    hold the module whole in DeepSpeed's model file, and the tool exports them as the end of
+    the run writes hf/."""
+    out = tmp_path / "run"
+    proc = run_cli("hpsft.train", base_overrides(model_path, *tiny_data, out, **{"data.micro_batch_size_per_gpu": 2}))
+    assert_ok(proc)
+    assert "engine.zero_stage=2 in one process runs without ZeRO" in proc.stdout
+    step_2 = out / "checkpoints" / "global_step_2"
+    assert not list(step_2.glob("*optim_states.pt"))
+    proc = run_cli("hpsft.export", [str(out), str(tmp_path / "final")])
+    assert_ok(proc)
+    exported, at_end = folder_weights(tmp_path / "final"), folder_weights(out / "hf")
+    assert exported.keys() == at_end.keys() and "model.embed_tokens.weight" in exported
+    saved = torch.load(step_2 / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, at_end[name]) and torch.equal(tensor, saved[name]), name
+
+
 @pytest.mark.slow
 def test_zero3_builds_the_default_model_partitioned_and_exports_it_streamed(tmp_path):
     """The full 30-layer SmolLM2-135M (513 MiB in fp32) under ZeRO-3 with 2 ranks, no step."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hpsft.config.schema import EngineConfig, OptimConfig
-from hpsft.engine.deepspeed_engine import DeepSpeedEngine
+from hpsft.engine.deepspeed_engine import DeepSpeedEngine, global_grad_norm
 from tests.conftest import REPO, run_cli, write_tiny_llama
 
 
@@ -46,19 +46,37 @@ def test_cpu_optimizer_is_fused_adamw_and_matches_the_fp64_reference():
         torch.testing.assert_close(actual.detach().double(), reference, rtol=1e-5, atol=1e-6)
 
 
+def test_the_gradient_norm_is_fp64_accurate():
+    """The norm the engine reports and clips by without ZeRO, against fp64, on gradients of
+    an embedding's size (torch's own fp32 norm of such a CPU tensor is off by ~1e-3),
+    of sizes that are no multiple of its block, and of none at all; NaN and Inf come through."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(28_311_552, generator=g) * 1e-3, torch.randn(576, 1537, generator=g), torch.randn(3, generator=g),
+             torch.tensor(2.5)]
+    reference = torch.sqrt(sum(torch.sum(grad.double() ** 2) for grad in grads))
+    norm = global_grad_norm(grads)
+    assert norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), reference, rtol=1e-7, atol=0)
+    assert float(global_grad_norm([])) == 0.0
+    for bad in (float("nan"), float("inf")):
+        grads[1][7, 9] = bad
+        assert not torch.isfinite(global_grad_norm(grads))
+
+
 def test_engine_steps_equal_plain_torch_adamw_with_clipping(tmp_path):
-    """Three clipped steps of the engine, without ZeRO and with ZeRO-2 (one rank, where
-    DeepSpeed runs it as stage 1: zero_stage_to_run), against the same steps in plain PyTorch
-    (single-tensor AdamW, clip_grad_norm_): the same gradient norms and weights, whatever the
-    engine's optimizer, clipping and gradient buffers do."""
+    """Three clipped steps of the engine against the same steps in plain PyTorch (single-tensor
+    AdamW, clip_grad_norm_): the same gradient norms and weights, whatever the engine's
+    optimizer, clipping and gradient buffers do. The default engine.zero_stage=2 runs without
+    ZeRO in one process (zero_stage_to_run); DeepSpeed's stages 1 and 2, which it runs on more
+    ranks, are forced here."""
     model = write_tiny_llama(tmp_path / "tiny-llama")
     out = tmp_path / "runs.pt"
-    proc = run_cli(None, [str(model), str(out), "0,2"],
+    proc = run_cli(None, [str(model), str(out), "default,ds1,ds2"],
                    script=str(REPO / "tests" / "dist_scripts" / "engine_steps_vs_torch.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = torch.load(out)
     reference = runs.pop("torch")
-    assert {name: run["deepspeed_stage"] for name, run in runs.items()} == {"zero0": 0, "zero2": 1}
+    assert {name: run["deepspeed_stage"] for name, run in runs.items()} == {"default": 0, "ds1": 1, "ds2": 2}
     assert all(norm > 0.5 for norm in reference["grad_norms"])  # the clip (0.5) binds at every step
     for name, run in runs.items():
         torch.testing.assert_close(torch.tensor(run["grad_norms"]), torch.tensor(reference["grad_norms"]),

@@ -203,7 +203,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    zero_stage: int = 2  # fp32 ZeRO-2 in one process runs as stage 1 (DeepSpeedEngine.zero_stage_to_run)
+    zero_stage: int = 2  # fp32 ZeRO-1/2 in one process runs without ZeRO (DeepSpeedEngine.zero_stage_to_run)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU
     offload_params: bool = False  # ZeRO-3 only: parameters live on the CPU
     dtype: str = "float32"  # float32 | bfloat16 (bf16 where the hardware has it)

@@ -24,12 +24,13 @@ from typing import Iterator
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.constants import CLIP_GRAD, DS_VERSION, PARAM, PARAM_GROUPS, UNIVERSAL_CHECKPOINT_INFO
 from torch import nn
 
 from hpsft.engine.base import TrainEngine
 
 UNIVERSAL_SUFFIX = ".universal"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module file below ZeRO-3 (ZeRO-3 has one per rank)
 
 
 def to_universal(checkpoint: Path, out: Path) -> None:
@@ -44,6 +45,41 @@ def to_universal(checkpoint: Path, out: Path) -> None:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal(args)
     (out.parent / "latest_universal").unlink()
+
+
+def unsharded_to_universal(checkpoint: Path, out: Path, names: list[str], clip_grad: float) -> None:
+    """A checkpoint written without ZeRO (its one model file holds the module and the whole
+    torch AdamW state) in the layout ds_to_universal writes from ZeRO shards: per parameter
+    zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt, the optimizer's hyperparameters in
+    zero/optimizer_state.pt, and the model file (LR scheduler, step counters) beside them.
+    `names`: the trainable parameters in the optimizer's order (param_groups). `clip_grad` is
+    the ZeRO run's: DeepSpeed's ZeRO optimizer takes its clipping from the checkpoint."""
+    model_file = checkpoint / MODEL_STATES
+    saved = torch.load(model_file, map_location="cpu", weights_only=False)
+    optimizer = saved["optimizer"]
+    indices = [index for group in optimizer["param_groups"] for index in group["params"]]
+    if len(indices) != len(names):
+        raise RuntimeError(f"{checkpoint}: its optimizer holds {len(indices)} parameters, this model trains "
+                           f"{len(names)}: not a checkpoint of this model")
+    # A parameter that never had a gradient has no AdamW state: zero moments, the common step.
+    steps = [state["step"] for state in optimizer["state"].values() if "step" in state]
+    for index, name in zip(indices, names):
+        weight = saved["module"][name].float()
+        state = optimizer["state"].get(index, {})
+        folder = out / "zero" / name
+        folder.mkdir(parents=True)
+        torch.save({PARAM: weight}, folder / "fp32.pt")
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = state.get(key, torch.zeros_like(weight))
+            if moment.shape != weight.shape:
+                raise RuntimeError(f"{checkpoint}: {name} has {key} of shape {tuple(moment.shape)}, the weight "
+                                   f"{tuple(weight.shape)}: not a checkpoint of this model")
+            torch.save({PARAM: moment.float()}, folder / f"{key}.pt")
+        if steps:
+            torch.save(state.get("step", steps[0]), folder / "step.pt")
+    torch.save({CLIP_GRAD: clip_grad, DS_VERSION: deepspeed.__version__, PARAM_GROUPS: optimizer["param_groups"]},
+               out / "zero" / "optimizer_state.pt")
+    shutil.copy2(model_file, out / MODEL_STATES)
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float):
@@ -108,6 +144,28 @@ def load_trained_state(src: dict, dst: nn.Module) -> None:
                            f"unexpected {sorted(result.unexpected_keys)[:5]}")
 
 
+NORM_BLOCK = 4096
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients together, to fp64 accuracy at the cost of one fp32 pass.
+    torch's fp32 norm of one large CPU tensor is a long running sum: off by 1.6e-3 relative on
+    a 28M-element embedding gradient (SmolLM2's); DeepSpeed's ZeRO norm casts to fp64, which
+    costs ~25x more here. Norms of 4096-element blocks are exact to fp32 rounding (2e-9
+    relative on that tensor, same time) and are summed in fp64. The result is fp32, as the
+    clip factor and the metric are."""
+    squares = []
+    for grad in grads:
+        flat = grad.detach().reshape(-1)
+        whole = flat.numel() // NORM_BLOCK * NORM_BLOCK
+        if whole:
+            blocks = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_BLOCK), dim=1)
+            squares.append(blocks.double().square().sum())
+        if whole < flat.numel():
+            squares.append(torch.linalg.vector_norm(flat[whole:]).double().square())
+    return torch.stack(squares).sum().sqrt().float() if squares else torch.zeros(())
+
+
 def detached(outputs: dict) -> dict:
     return {name: value.detach() for name, value in outputs.items()}
 
@@ -120,22 +178,28 @@ class DeepSpeedEngine(TrainEngine):
         self.engine = None
 
     def zero_stage_to_run(self) -> int:
-        """The stage DeepSpeed runs: engine.zero_stage, except that fp32 ZeRO-2 in one process
-        runs as stage 1. There ZeRO-2 has nothing to partition, yet its gradient pipeline
-        reduces (copies every gradient twice) after each micro-batch; stage 1 does it once, at
-        the step's last micro-batch, with the same optimizer state and checkpoint layout (both
-        are DeepSpeed's stage-1/2 optimizer; a resume on N ranks reshards either alike).
-        Measured in docs/performance.md (steps of 4 micro-batches: ZeRO-2 1.16x ZeRO-0's time,
-        stage 1 1.01x). bf16 keeps its stage: there DeepSpeed's stage 1 is its BF16_Optimizer, another
-        optimizer with another checkpoint layout (docs/precision.md)."""
+        """The stage DeepSpeed runs: engine.zero_stage, except that fp32 ZeRO-1/2 in one process
+        runs without ZeRO. There ZeRO has nothing to partition, yet DeepSpeed's stage-1/2
+        optimizer copies every gradient into its bucket and flat partition, flattens them
+        again in step(), takes the norm over per-parameter views and copies the fp32 master
+        weights back: ~1.6 s a step on SmolLM2-135M, 15-20 % of a 500-token step
+        (docs/performance.md). Checkpoints then hold the whole AdamW state in one file; a run
+        with ZeRO resumes them, and this one resumes ZeRO checkpoints, through DeepSpeed's
+        universal layout (load_checkpoint). bf16 keeps its stage: its fp32 gradient
+        accumulation and master weights are ZeRO's (docs/precision.md)."""
         one_process = dist.is_initialized() and dist.get_world_size() == 1
-        if (self.config.zero_stage == 2 and one_process and self.config.dtype == "float32"
+        if (self.config.zero_stage in (1, 2) and one_process and self.config.dtype == "float32"
                 and not self.config.offload_optimizer):
-            return 1
+            return 0
         return self.config.zero_stage
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs (zero_stage_to_run)."""
+        return self.zero_stage_to_run()
+
     def deepspeed_config(self) -> dict:
-        zero = {"stage": self.zero_stage_to_run()}
+        zero = {"stage": self.stage}
         if self.config.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if self.config.offload_params:
@@ -145,7 +209,7 @@ class DeepSpeedEngine(TrainEngine):
             "gradient_accumulation_steps": 1,
             # Without ZeRO the engine clips by the norm it reports (clip_unsharded_grads):
             # DeepSpeed's own clipping would take the norm a second time, plus a collective.
-            "gradient_clipping": self.optim.grad_clip if self.config.zero_stage > 0 else 0.0,
+            "gradient_clipping": self.optim.grad_clip if self.stage > 0 else 0.0,
             "zero_optimization": zero,
             "bf16": {"enabled": self.config.dtype == "bfloat16"},
             # bf16 weights and activations, but gradients accumulated over micro-batches and
@@ -179,10 +243,10 @@ class DeepSpeedEngine(TrainEngine):
             optimizer, lr_lambda(self.total_steps, warmup, self.optim.lr_scheduler, self.optim.min_lr_ratio)
         )
         config = self.deepspeed_config()
-        if config["zero_optimization"]["stage"] != self.config.zero_stage:
-            print(f"hpsft: engine.zero_stage={self.config.zero_stage} in one process runs as DeepSpeed's ZeRO stage "
-                  f"{config['zero_optimization']['stage']}: nothing to partition, gradients reduced once per step "
-                  "instead of after every micro-batch", flush=True)
+        if self.stage != self.config.zero_stage:
+            print(f"hpsft: engine.zero_stage={self.config.zero_stage} in one process runs without ZeRO: nothing to "
+                  "partition (checkpoints hold the whole optimizer state and resume with any number of ranks)",
+                  flush=True)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=config)
 
@@ -207,7 +271,7 @@ class DeepSpeedEngine(TrainEngine):
             loss = loss_fn(out)
             self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
             outputs.append(detached(out))
-        unsharded_norm = self.clip_unsharded_grads() if self.config.zero_stage == 0 else None
+        unsharded_norm = self.clip_unsharded_grads() if self.stage == 0 else None
         if unsharded_norm is not None and not math.isfinite(unsharded_norm):
             # ZeRO 1-3 skip a step whose gradient norm is NaN/Inf, leaving weights, optimizer
             # state and LR schedule as they were; without ZeRO DeepSpeed would apply it.
@@ -226,7 +290,7 @@ class DeepSpeedEngine(TrainEngine):
         the global norm, reported and clipped by (max_norm / (norm + 1e-6), as DeepSpeed clips),
         before step() clears them. A non-finite norm is returned unclipped."""
         params = [p for p in self.engine.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = global_grad_norm([p.grad for p in params])
         if self.optim.grad_clip > 0 and torch.isfinite(norm):
             torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm)
         return float(norm)
@@ -243,37 +307,65 @@ class DeepSpeedEngine(TrainEngine):
                                         save_latest=False, exclude_frozen_parameters=True)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
-        """Load a checkpoint written with any data-parallel size. ZeRO 1-3 keep one optimizer
-        shard per dp rank: written by another dp size, the checkpoint is first converted to
-        DeepSpeed's universal (per-parameter, dp-independent) form, then loaded from it."""
-        saved_dp_size = len(list((Path(root) / tag).glob("*optim_states.pt")))  # 0 without ZeRO
-        if saved_dp_size in (0, self.dp_size):
+        """Load a checkpoint written with any data-parallel size, with or without ZeRO (below
+        ZeRO-3). ZeRO 1-3 keep one optimizer shard per dp rank; without ZeRO one file holds the
+        whole state. When the layouts differ the checkpoint is first converted to DeepSpeed's
+        universal (per-parameter, dp-independent) form, then loaded from it."""
+        folder = Path(root) / tag
+        saved_dp_size = len(list(folder.glob("*optim_states.pt")))  # 0 without ZeRO
+        written_with_zero3 = bool(list(folder.glob("zero_pp_rank_*_model_states.pt")))
+        if not (folder / MODEL_STATES).is_file() and not written_with_zero3:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
+        if (self.stage == 0 and written_with_zero3) or (self.stage == 3 and not saved_dp_size):
+            # DeepSpeed converts between ZeRO-3 and the other layouts only through its ZeRO-3
+            # universal loader, which needs state a checkpoint without ZeRO never had.
+            raise ValueError(f"{folder} was written {'with ZeRO-3' if written_with_zero3 else 'without ZeRO'} and "
+                             f"this run has {'no ZeRO' if self.stage == 0 else 'ZeRO-3'}: resume it with the "
+                             "engine.zero_stage it was written with")
+        if self.stage == 0 and saved_dp_size:
+            self.load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards and this run none",
+                                        lambda out: to_universal(folder, out), self.load_universal_without_zero)
+        elif self.stage > 0 and not saved_dp_size:
+            names = {param: name for name, param in self.engine.module.named_parameters()}
+            trained = [names[param] for group in param_groups(self.engine.module, 0.0) for param in group["params"]]
+            self.load_through_universal(root, tag, f"was written without ZeRO and this run has ZeRO-{self.stage}",
+                                        lambda out: unsharded_to_universal(folder, out, trained, self.optim.grad_clip),
+                                        self.load_universal_into_zero)
+        elif saved_dp_size in (0, self.dp_size):
             self.load_native_checkpoint(root, tag)
         else:
-            self.load_resharded_checkpoint(root, tag, saved_dp_size)
+            self.load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks",
+                                        lambda out: to_universal(folder, out), self.load_universal_into_zero)
 
-    def load_native_checkpoint(self, root: str, tag: str) -> None:
-        path, _ = self.engine.load_checkpoint(root, tag=tag, custom_load_fn=load_trained_state)
+    def load_native_checkpoint(self, root: str, tag: str, load_optimizer_states: bool = True) -> None:
+        path, _ = self.engine.load_checkpoint(root, tag=tag, custom_load_fn=load_trained_state,
+                                              load_optimizer_states=load_optimizer_states)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
 
-    def load_resharded_checkpoint(self, root: str, tag: str, saved_dp_size: int) -> None:
+    def load_through_universal(self, root: str, tag: str, why: str, convert, load) -> None:
         # Rank 0 converts into a sibling folder (its name is no global_step_<N>: never resumed
-        # from, nor rotated); every rank then reads its new partition from it; it goes at the end.
+        # from, nor rotated); every rank then loads from it; it goes at the end.
         universal = Path(root) / f"{tag}{UNIVERSAL_SUFFIX}"
         if self.dp_rank == 0:
             shutil.rmtree(universal, ignore_errors=True)  # left by a crash during an earlier resume
             start = time.perf_counter()
-            to_universal(Path(root) / tag, universal)
-            print(f"hpsft: {tag} has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks: converted to "
-                  f"DeepSpeed's universal checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+            convert(universal)
+            print(f"hpsft: {tag} {why}: converted to DeepSpeed's universal checkpoint in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
         dist.barrier()
+        load(root, universal.name)
+        dist.barrier()
+        if self.dp_rank == 0:
+            shutil.rmtree(universal)
+
+    def load_universal_into_zero(self, root: str, tag: str) -> None:
         torch_optimizer = self.engine.optimizer.optimizer
         weight_decays = [group["weight_decay"] for group in torch_optimizer.param_groups]
         # DeepSpeed reads this flag of its config at load time only; it has no per-call argument.
         self.engine._config.load_universal_checkpoint = True
         try:
-            self.load_native_checkpoint(root, universal.name)
+            self.load_native_checkpoint(root, tag)
         finally:
             self.engine._config.load_universal_checkpoint = False
         # Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load, undone: every param group gets
@@ -285,15 +377,37 @@ class DeepSpeedEngine(TrainEngine):
         for state in torch_optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
-        dist.barrier()
-        if self.dp_rank == 0:
-            shutil.rmtree(universal)
+
+    def load_universal_without_zero(self, root: str, tag: str) -> None:
+        """DeepSpeed loads universal checkpoints into ZeRO optimizers only: here its load gives
+        the module, LR scheduler and step counters, and the fp32 weights, AdamW moments, step
+        and hyperparameters come from the per-parameter files into torch's AdamW."""
+        self.load_native_checkpoint(root, tag, load_optimizer_states=False)
+        zero = Path(root) / tag / "zero"
+        saved_groups = torch.load(zero / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
+        names = {param: name for name, param in self.engine.module.named_parameters()}
+        optimizer = self.engine.optimizer
+        state, groups = {}, []
+        for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
+            indices = []
+            for param in group["params"]:
+                files = zero / names[param]
+                with torch.no_grad():
+                    param.copy_(torch.load(files / "fp32.pt", weights_only=True)[PARAM].view_as(param))
+                indices.append(len(state))
+                state[len(state)] = {"step": torch.load(files / "step.pt", weights_only=True)} | {
+                    key: torch.load(files / f"{key}.pt", weights_only=True)[PARAM].view_as(param)
+                    for key in ("exp_avg", "exp_avg_sq")}
+            # The saved hyperparameters (lr, betas, eps, weight decay), this machine's implementation.
+            implementation = {key: group[key] for key in ("foreach", "fused", "capturable") if key in group}
+            groups.append(saved_group | implementation | {"params": indices})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def gathered(self, params: list[nn.Parameter]):
         """A context in which these parameters are whole on every rank (a collective under
         ZeRO-3, which partitions them; nothing to do otherwise)."""
         partitioned = [p for p in params if hasattr(p, "ds_id")]
-        if self.config.zero_stage == 3 and partitioned:
+        if self.stage == 3 and partitioned:
             return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
         return contextlib.nullcontext()
 

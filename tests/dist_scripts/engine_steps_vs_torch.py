@@ -1,8 +1,11 @@
-"""A few optimizer steps through hpsft's DeepSpeedEngine (one rank) at each ZeRO stage given,
-and the same steps in plain PyTorch: the same model, torch's single-tensor AdamW, LambdaLR,
+"""A few optimizer steps through hpsft's DeepSpeedEngine (one rank) at each stage given, and
+the same steps in plain PyTorch: the same model, torch's single-tensor AdamW, LambdaLR,
 clip_grad_norm_. Saves each run's gradient norms and final weights to a torch file.
 
     python tests/dist_scripts/engine_steps_vs_torch.py MODEL OUT_PT STAGE[,STAGE...]
+
+A stage is engine.zero_stage (`0`-`3`, `default` for 2) or `dsN`: DeepSpeed made to run
+stage N whatever the engine would choose (one process runs ZeRO-1/2 without ZeRO otherwise).
 """
 
 import sys
@@ -34,8 +37,22 @@ def random_steps(vocab: int) -> list[tuple[list[dict], int]]:
     return steps
 
 
-def built_engine(model: str, stage: int, engine_class=DeepSpeedEngine) -> DeepSpeedEngine:
-    engine = engine_class(EngineConfig(zero_stage=stage), OPTIM, total_steps=STEPS)
+class EngineAtDeepSpeedStage(DeepSpeedEngine):
+    def __init__(self, stage: int, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forced_stage = stage
+
+    def zero_stage_to_run(self) -> int:
+        return self.forced_stage
+
+
+def built_engine(model: str, stage: str) -> DeepSpeedEngine:
+    if stage.startswith("ds"):
+        engine = EngineAtDeepSpeedStage(int(stage[2:]), EngineConfig(zero_stage=max(1, int(stage[2:]))), OPTIM,
+                                        total_steps=STEPS)
+    else:
+        engine = DeepSpeedEngine(EngineConfig(zero_stage=2 if stage == "default" else int(stage)), OPTIM,
+                                 total_steps=STEPS)
     engine.initialize(PackedCausalLM(load_causal_lm(model)))
     return engine
 
@@ -48,7 +65,7 @@ def stepped(engine: DeepSpeedEngine, steps: list) -> dict:
     return {"grad_norms": norms, "weights": weights, "deepspeed_stage": engine.engine.zero_optimization_stage()}
 
 
-def engine_run(model: str, stage: int, steps: list) -> dict:
+def engine_run(model: str, stage: str, steps: list) -> dict:
     return stepped(built_engine(model, stage), steps)
 
 
@@ -75,8 +92,8 @@ def main() -> None:
     torch.manual_seed(0)
     steps = random_steps(load_causal_lm(model).config.vocab_size)
     results = {"torch": torch_run(model, steps)}
-    for stage in map(int, stages.split(",")):
-        results[f"zero{stage}"] = engine_run(model, stage, steps)
+    for stage in stages.split(","):
+        results[stage] = engine_run(model, stage, steps)
     torch.save(results, out_pt)
 
 
