@@ -17,7 +17,10 @@ norm and clipping (inside step() under ZeRO, before it without), and the AdamW s
 rest of step() is, under ZeRO, flattening the gradients and copying the fp32 partition
 back into the model's weights. "other": the rest of train_batch (zero_grad, the LR). The
 fixed per-step cost is the intercept a of step time = a + b * tokens,
-fitted over the default engine's steps of every batch size. MFU is model FLOPs (as the
+fitted over the default engine's steps of every batch size, split into forward+backward's own
+intercept (the same fit of their time: matmuls on few rows run below peak) and the engine's
+work outside them (step(), norm and clip, bookkeeping), and the same fit against each step's
+model FLOPs instead of its tokens (the LM head multiplies supervised rows only). MFU is model FLOPs (as the
 trainer counts them) over a GEMM peak of the model's MLP shape measured in this run
 (before and after the steps; the larger reading).
 
@@ -110,6 +113,14 @@ def build_engine(variant: str, model: str):
     return engine, times
 
 
+def line_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = a + b * x."""
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y - b * mean_x, b
+
+
 def gemm_peak(lm_config) -> float:
     from hpsft.config.schema import DataConfig
     from hpsft.perf import measure_matmul_peak
@@ -191,23 +202,34 @@ def main() -> None:
     for (variant, size), measured in sorted(rows.items(), key=lambda kv: (kv[0][1], variants.index(kv[0][0]))):
         m = {part: statistics.median(r.get(part, 0.0) for r in measured) for part in (*PARTS, "tokens", "flops")}
         medians[variant, size] = m
-        # ZeRO-2 takes the norm and clips inside step(); without ZeRO the engine does, before it.
-        norm_in_step = m["grad_norm_clip"] if VARIANTS[variant][0] > 0 else 0.0
+        # ZeRO takes the norm and clips inside step(); without ZeRO the engine does, before it.
+        norm_in_step = m["grad_norm_clip"] if engines[variant][0].stage > 0 else 0.0
         copies = m["step"] - norm_in_step - m["optimizer"]
         other = m["total"] - m["forward"] - m["backward"] - m["step"] - (m["grad_norm_clip"] - norm_in_step)
         print(f"| {variant} | {size} | {m['tokens']:.0f} | {m['total']:.2f} | {m['forward']:.2f} | "
               f"{m['backward']:.2f} | {m['zero_reduce']:.3f} | {m['step']:.3f} | {m['grad_norm_clip']:.3f} | "
               f"{m['optimizer']:.3f} | {copies:.3f} | {other:.3f} | {m['flops'] / m['total'] / peak:.1%} |")
 
-    fit = [(r["tokens"], r["total"]) for (variant, size), measured in rows.items()
-           if variant == "zero2" and size in fit_sizes for r in measured]
-    mean_t = statistics.fmean(t for t, _ in fit)
-    mean_s = statistics.fmean(s for _, s in fit)
-    b = sum((t - mean_t) * (s - mean_s) for t, s in fit) / sum((t - mean_t) ** 2 for t, _ in fit)
-    a = mean_s - b * mean_t
-    print(f"fixed per-step cost (zero2, step s = a + b * tokens over {len(fit)} steps of {args.batches} "
-          f"conversations): a = {a:.3f} s, b = {b * 1e3:.2f} ms/token; a is {a / (a + b * 500):.0%} of a "
+    default_steps = [r for (variant, size), measured in rows.items()
+                     if variant == "zero2" and size in fit_sizes for r in measured]
+    a, b = line_fit([(r["tokens"], r["total"]) for r in default_steps])
+    a_model, _ = line_fit([(r["tokens"], r["forward"] + r["backward"]) for r in default_steps])
+    engine_work = statistics.median(r["total"] - r["forward"] - r["backward"] for r in default_steps)
+    step_500 = a + b * 500
+    print(f"fixed per-step cost (zero2, step s = a + b * tokens over {len(default_steps)} steps of {args.batches} "
+          f"conversations): a = {a:.3f} s, b = {b * 1e3:.2f} ms/token; a is {a / step_500:.0%} of a "
           f"500-token step")
+    print(f"  of a: forward+backward's own intercept (the same fit of their time alone) {a_model:.3f} s; "
+          f"the engine's work outside them (step(), norm, clip, bookkeeping; median) {engine_work:.3f} s = "
+          f"{engine_work / step_500:.1%} of a 500-token step")
+    # Tokens are not the work: the LM head multiplies only supervised rows, attention grows
+    # with each sequence's length. Against the model FLOPs of each step the intercept is
+    # what a step costs beyond its work.
+    a_flops, seconds_per_flop = line_fit([(r["flops"], r["total"]) for r in default_steps])
+    flops_500 = statistics.fmean(r["flops"] / r["tokens"] for r in default_steps) * 500
+    print(f"  step s = a' + FLOPs / rate over the same steps: a' = {a_flops:.3f} s, rate {1 / seconds_per_flop / 1e9:.0f} "
+          f"GFLOP/s; a' is {a_flops / (a_flops + flops_500 * seconds_per_flop):.0%} of a step of 500 tokens' "
+          "mean FLOPs")
     for variant in variants[1:]:
         for size in compare_sizes:
             ratio = medians["zero2", size]["total"] / medians[variant, size]["total"]

@@ -243,12 +243,18 @@ class DeepSpeedEngine(TrainEngine):
             optimizer, lr_lambda(self.total_steps, warmup, self.optim.lr_scheduler, self.optim.min_lr_ratio)
         )
         config = self.deepspeed_config()
-        if self.stage != self.config.zero_stage:
+        if self.stage == 0 and self.config.zero_stage > 0:
             print(f"hpsft: engine.zero_stage={self.config.zero_stage} in one process runs without ZeRO: nothing to "
                   "partition (checkpoints hold the whole optimizer state and resume with any number of ranks)",
                   flush=True)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=config)
+        if self.stage == 0 and self.dp_size == 1:
+            # Without ZeRO DeepSpeed all-reduces at every step's last backward even alone: it
+            # flattens all gradients into one new buffer and copies them back (1.2 s a step
+            # on SmolLM2-135M, the largest fixed cost left, docs/performance.md) to average
+            # over one rank, which changes nothing.
+            self.engine.enable_backward_allreduce = False
 
     @property
     def module(self) -> nn.Module:
