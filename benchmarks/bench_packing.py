@@ -25,7 +25,8 @@ import torch
 
 
 def load_sequences(data: str, model: str, n: int):
-    from hpsft.data.dataset import SFTDataset, TokenizeOptions, load_or_tokenize
+    from hpsft.data.dataset import SFTDataset, load_or_tokenize
+    from hpsft.data.rows import TokenizeOptions
     from hpsft.models import load_tokenizer
 
     opts = TokenizeOptions("messages", "prompt", "response", "tools", None, 1024, "right", "skip")

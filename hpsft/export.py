@@ -150,7 +150,7 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from hpsft.config import LoraConfig
-    from hpsft.data.dataset import chat_template_text
+    from hpsft.data.rows import chat_template_text
     from hpsft.models import load_tokenizer, write_hf_folder
     from hpsft.models.loading import check_model_path
     from hpsft.models.lora import add_lora, write_adapter_folder

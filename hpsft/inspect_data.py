@@ -19,7 +19,7 @@ from pathlib import Path
 from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import TokenizeOptions, read_rows, row_to_messages
+from hpsft.data.rows import TokenizeOptions, read_rows, row_to_messages
 from hpsft.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.loading import check_model_path, load_tokenizer
 

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from hpsft.assets import chat_corpora
 from hpsft.data.chat_messages import BadRow, normalize_messages, normalize_tools
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import TokenizeOptions, UnreadableRow, chat_template_text, drop_nulls, read_rows, \
+from hpsft.data.rows import TokenizeOptions, UnreadableRow, chat_template_text, drop_nulls, read_rows, \
     row_to_messages
 from hpsft.data.sharegpt import is_sharegpt, sharegpt_messages
 from hpsft.errors import UserInputError, exits_2_on_user_error

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import DataError, SFTDataset, TokenizeOptions, load_or_tokenize
+from hpsft.data.dataset import SFTDataset, load_or_tokenize
+from hpsft.data.rows import DataError, TokenizeOptions
 from hpsft.errors import UserInputError
 from tests.conftest import write_jsonl, write_parquet
 

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import DataError, load_or_tokenize, tokenize_files
+from hpsft.data.dataset import load_or_tokenize, tokenize_files
+from hpsft.data.rows import DataError
 from tests.conftest import write_jsonl, write_parquet
 from tests.test_chat_data import options, spans
 
@@ -278,7 +279,7 @@ def test_data_chat_template_setting_is_used(tmp_path, model_tokenizers, as_file)
 
 
 def test_a_chat_template_setting_that_is_neither_text_nor_a_file_is_refused():
-    from hpsft.data.dataset import chat_template_text
+    from hpsft.data.rows import chat_template_text
     from hpsft.errors import UserInputError
 
     with pytest.raises(UserInputError, match="data.chat_template='templates/missing.jinja' is neither a Jinja"):

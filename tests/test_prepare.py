@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import SFTDataset, TokenizeOptions, load_or_tokenize, read_rows
+from hpsft.data.dataset import SFTDataset, load_or_tokenize
+from hpsft.data.rows import TokenizeOptions, read_rows
 from hpsft.prepare_data import main as prepare_data
 from hpsft.prepare_model import main as prepare_model
 from tests.conftest import columns, write_jsonl, write_parquet

@@ -109,7 +109,8 @@ def test_a_planted_pickle_state_file_is_never_unpickled(trained_run, tmp_path):
 
 
 def test_a_planted_pickle_in_the_token_cache_is_refused(tmp_path, tokenizer):
-    from hpsft.data.dataset import TokenizeOptions, cache_key, load_or_tokenize
+    from hpsft.data.dataset import cache_key, load_or_tokenize
+    from hpsft.data.rows import TokenizeOptions
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "Hi", "response": "Hello"}) + "\n")

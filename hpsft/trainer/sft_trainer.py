@@ -17,7 +17,8 @@ from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.custom_dataset import load_custom_class
-from hpsft.data.dataset import SFTDataset, TokenizeOptions, chat_template_text, load_or_tokenize
+from hpsft.data.dataset import SFTDataset, load_or_tokenize
+from hpsft.data.rows import TokenizeOptions, chat_template_text
 from hpsft.data.sampler import training_sampler
 from hpsft.data.sources import SourcedDataset
 from hpsft.errors import Preempted, UserInputError
