@@ -33,7 +33,7 @@ def test_config_is_frozen():
         ("foo.bar=1", "unknown config key 'foo'; valid keys here: data, engine, loss, model, optim, ray, trainer"),
         ("trainer.total_steps=abc", "bad value for config key 'trainer.total_steps'"),
         ("engine.zero_stage=5", "engine.zero_stage=5 is not one of [0, 1, 2, 3]"),
-        ("data.truncation=middle", "data.truncation='middle' is not one of ['error', 'left', 'right']"),
+        ("data.truncation=middle", "data.truncation='middle' is not one of ['error', 'left', 'right', 'split', 'turns']"),
         ("engine.offload_params=true", "engine.offload_params needs engine.zero_stage=3"),
         ("engine.dtype=bfloat16 engine.zero_stage=0", "engine.dtype=bfloat16 needs engine.zero_stage >= 1"),
         ("optim", "override 'optim' is not of the form key=value"),
