@@ -45,9 +45,10 @@ EXAMPLES_PER_REASON = 5  # where and why, for the first few dropped rows of each
 
 
 class Dropped(Exception):
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, counts: Counter | None = None):
         super().__init__(detail)
         self.reason = reason
+        self.counts = counts or Counter()  # the data stage's counts of a row dropped for its length
 
 
 def is_dataset_folder(path: Path) -> bool:
@@ -140,10 +141,10 @@ def fitted_records(messages, tools, tokenizer, opts: TokenizeOptions) -> tuple[l
     except BadRow as err:
         raise Dropped("malformed", str(err)) from None
     if fitted.dropped:
-        raise Dropped("over_max_length", fitted.dropped)
+        raise Dropped("over_max_length", fitted.dropped, fitted.counts)
     longest = max(len(c.input_ids) for c in fitted.conversations)
     if longest > opts.max_length:
-        raise Dropped("over_max_length", f"{longest} tokens > --max-length {opts.max_length}")
+        raise Dropped("over_max_length", f"{longest} tokens > --max-length {opts.max_length}", fitted.counts)
     lengths = [(len(c.input_ids), sum(c.loss_mask)) for c in fitted.conversations]
     if not fitted.counts["over_max_length_rows"]:
         return [parquet_record(messages, tools)], lengths, fitted.counts
@@ -182,6 +183,7 @@ def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: st
                     stage_counts.update(row_counts)
             except Dropped as drop:
                 dropped[drop.reason] += 1
+                stage_counts.update(drop.counts)
                 if len(examples[drop.reason]) < EXAMPLES_PER_REASON:
                     examples[drop.reason].append(f"{where}: {drop}")
                 continue

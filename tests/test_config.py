@@ -34,6 +34,7 @@ def test_config_is_frozen():
         ("trainer.total_steps=abc", "bad value for config key 'trainer.total_steps'"),
         ("engine.zero_stage=5", "engine.zero_stage=5 is not one of [0, 1, 2, 3]"),
         ("data.truncation=middle", "data.truncation='middle' is not one of ['error', 'left', 'right', 'split', 'turns']"),
+        ("data.multiturn=last", "data.multiturn='last' is not one of ['auto', 'per_turn', 'whole']"),
         ("engine.offload_params=true", "engine.offload_params needs engine.zero_stage=3"),
         ("engine.dtype=bfloat16 engine.zero_stage=0", "engine.dtype=bfloat16 needs engine.zero_stage >= 1"),
         ("optim", "override 'optim' is not of the form key=value"),
