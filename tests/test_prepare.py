@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import SFTDataset, load_or_tokenize
+from hpsft.data.preparation import prepared_store
 from hpsft.data.rows import TokenizeOptions, read_rows
 from hpsft.prepare_data import main as prepare_data
 from hpsft.prepare_model import main as prepare_model
@@ -88,13 +88,14 @@ def test_prepare_data_report_counts_the_rows_written(kind, tmp_path, capsys, cha
     # the token counts of the report.
     opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
                            chat_template=None, max_length=MAX_LENGTH, truncation="error", bad_rows="error")
-    sets = [SFTDataset(load_or_tokenize([str(p)], tokenizer, opts, tmp_path / "tokenized")) for p in (train, val)]
-    lengths = sorted(ds.seqlen(i) for ds in sets for i in range(len(ds)))
+    sets = [prepared_store(str(p), tokenizer, opts, tmp_path / "tokenized") for p in (train, val)]
+    lengths = sorted(int(n) for ds in sets for n in ds.lengths)
     assert len(lengths) == len(keep)
     assert report["token_lengths"]["max"] == lengths[-1] <= MAX_LENGTH
     assert report["token_lengths"]["p50"] == lengths[len(lengths) // 2 - (len(lengths) % 2 == 0)]
     assert report["token_lengths"]["total"] == sum(lengths)
-    assert report["token_lengths"]["supervised"] == sum(int(ds.loss_mask.sum()) for ds in sets)
+    assert report["token_lengths"]["supervised"] == sum(int(ds[i]["loss_mask"].sum()) for ds in sets
+                                                        for i in range(len(ds)))
 
 
 def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):

@@ -15,10 +15,12 @@ from hpsft.data.rows import TokenizeOptions, row_to_messages
 @dataclass
 class RowSequences:
     """What a row becomes: its sequences (input_ids, loss_mask as 0/1 lists), or none and the
-    reason it was dropped (a policy that drops rather than fails, e.g. no turn fits)."""
+    reason it was dropped (a policy that drops rather than fails, e.g. no turn fits); `counts`:
+    events the data stage adds up over all rows for its summary (e.g. {"truncated": 1})."""
 
     sequences: list[tuple[list[int], list[int]]] = field(default_factory=list)
     dropped: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 def truncate(input_ids: list[int], loss_mask: list[int], opts: TokenizeOptions):
