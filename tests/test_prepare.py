@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import SFTDataset, load_or_tokenize
+from hpsft.data.preparation import prepared_store
 from hpsft.data.rows import TokenizeOptions, read_rows
 from hpsft.prepare_data import main as prepare_data
 from hpsft.prepare_model import main as prepare_model
@@ -90,13 +90,14 @@ def test_prepare_data_report_counts_the_rows_written(kind, tmp_path, capsys, cha
     # the token counts of the report.
     opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
                            chat_template=None, max_length=MAX_LENGTH, truncation="error", bad_rows="error")
-    sets = [SFTDataset(load_or_tokenize([str(p)], tokenizer, opts, tmp_path / "tokenized")) for p in (train, val)]
-    lengths = sorted(ds.seqlen(i) for ds in sets for i in range(len(ds)))
+    sets = [prepared_store(str(p), tokenizer, opts, tmp_path / "tokenized") for p in (train, val)]
+    lengths = sorted(int(n) for ds in sets for n in ds.lengths)
     assert len(lengths) == len(keep)
     assert report["token_lengths"]["max"] == lengths[-1] <= MAX_LENGTH
     assert report["token_lengths"]["p50"] == lengths[len(lengths) // 2 - (len(lengths) % 2 == 0)]
     assert report["token_lengths"]["total"] == sum(lengths)
-    assert report["token_lengths"]["supervised"] == sum(int(ds.loss_mask.sum()) for ds in sets)
+    assert report["token_lengths"]["supervised"] == sum(int(ds[i]["loss_mask"].sum()) for ds in sets
+                                                        for i in range(len(ds)))
 
 
 def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):
@@ -250,16 +251,17 @@ def test_prepare_data_fits_long_conversations_by_turns(policy, tmp_path, capsys,
     assert report["rows_kept"] == len(conversations) - report["dropped"]["over_max_length"]
     opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
                            chat_template=None, max_length=512, truncation="error", bad_rows="error")
-    data = SFTDataset(load_or_tokenize([str(out / "train.parquet")], tokenizer, opts, tmp_path / "tokenized"))
+    data = prepared_store(str(out / "train.parquet"), tokenizer, opts, tmp_path / "tokenized")
     fitted = counts["split_sequences"] if policy == "split" else counts["turns_rows"]  # rows written for the long ones
     assert len(data) == report["written"][str(out / "train.parquet")] == len(conversations) - over + fitted
-    supervised = Counter()
+    supervised, supervised_tokens = Counter(), 0
     for item in (data[i] for i in range(len(data))):
         supervised.update(tokenizer.decode(item["input_ids"][a:b]) for a, b in spans(item["loss_mask"].tolist()))
+        supervised_tokens += int(item["loss_mask"].sum())
     turns = Counter(m["content"] + "<|im_end|>" for c in conversations for m in c if m["role"] == "assistant")
     assert all(supervised[t] <= turns[t] for t in supervised) and set(supervised) <= set(turns)
     assert sum(turns.values()) - sum(supervised.values()) == counts.get("dropped_turns", 0)
-    assert report["token_lengths"]["max"] <= 512 and report["token_lengths"]["supervised"] == int(data.loss_mask.sum())
+    assert report["token_lengths"]["max"] <= 512 and report["token_lengths"]["supervised"] == supervised_tokens
     if policy == "turns":  # each written row is the start of its conversation
         written = [row["messages"] for row in read_rows(out / "train.parquet")]
         assert all(any(c[:len(w)] == w for c in conversations) for w in written)

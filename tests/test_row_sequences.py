@@ -225,18 +225,18 @@ def test_per_turn_drops_the_analysis_channel_of_past_turns_gpt_oss_like(model_pa
 
 
 def test_per_turn_losses_equal_hugging_face_on_each_rendered_turn(tmp_path, model_path, qwen3):
-    """Each per-turn sequence, through hpsft's data stage (tokenize_files) and packed forward
+    """Each per-turn sequence, through hpsft's data stage (prepared_store) and packed forward
     (PackedCausalLM, both sequences in one row), has the loss the model's own forward gives
     on the text the template renders for that turn, with labels on the turn's tokens only
     (fp32; sums of NLL within 1e-5 relative). Catches a supervised history or a mask shifted
     off the turn."""
     from hpsft.data.batch import collate_jagged, packed_row
-    from hpsft.data.dataset import SFTDataset, tokenize_files
+    from hpsft.data.preparation import prepared_store
     from hpsft.models import PackedCausalLM, load_causal_lm
 
     tok, template = qwen3
     path = write_jsonl([{"messages": REASONING}], tmp_path / "reasoning.jsonl")
-    dataset = SFTDataset(tokenize_files([Path(path)], tok, options(chat_template=template)))
+    dataset = prepared_store(path, tok, options(chat_template=template), tmp_path / "cache")
     assert len(dataset) == 2
     torch.manual_seed(0)
     lm = load_causal_lm(model_path)

@@ -178,12 +178,21 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     cache_dir: str = ".cache/tokenized"
+    # Worker processes tokenizing on each rank (hpsft/data/preparation.py); None: the cores this
+    # process may use divided among the ranks of its node.
+    num_proc: Optional[int] = None
+    shard_mb: float = 16.0  # input per shard, the unit tokenized in parallel, cached and resumed
+    # How each step's global batch is split over data-parallel ranks: equal tokens, or equal
+    # tokens plus attention's quadratic term (long sequences weigh more; hpsft/data/balance.py).
+    balance: str = "tokens"  # tokens | attention
 
     def __post_init__(self):
         check_choice("data", "truncation", self.truncation, {"error", "left", "right", "turns", "split"})
         check_choice("data", "multiturn", self.multiturn, {"auto", "whole", "per_turn"})
         check_choice("data", "bad_rows", self.bad_rows, {"error", "skip"})
-        for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch"):
+        check_choice("data", "balance", self.balance, {"tokens", "attention"})
+        for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch",
+                     "num_proc", "shard_mb"):
             check_positive("data", name, getattr(self, name))
         check_positive("data", "num_workers", self.num_workers, allow_zero=True)
         if not self.train_files:
