@@ -65,7 +65,8 @@ EFFECTS = {"error": "stop the run (data.truncation=error)", "left": "be cut from
            "split": "be split at turn boundaries (data.truncation=split)"}
 
 
-def length_report(lengths: list[int], rows: int, refused: Counter, counts: Counter, opts: TokenizeOptions) -> list[str]:
+def length_report(lengths: list[int], rows: int, refused: Counter, counts: Counter,
+                  opts: TokenizeOptions) -> list[str]:
     """`lengths`: of the sequences the `rows` tokenized rows train (under data.truncation=error,
     of those that would stop the run too); `counts`: the data stage's, summed over the rows."""
     lines = [f"rows: {rows + sum(refused.values())} read, {rows} tokenized, {sum(refused.values())} refused"]
@@ -77,7 +78,8 @@ def length_report(lengths: list[int], rows: int, refused: Counter, counts: Count
     effect = EFFECTS[opts.truncation]
     if opts.truncation == "error" and opts.bad_rows == "skip":
         effect = "be skipped (data.bad_rows=skip)"
-    lines.append(f"rows over data.max_length={opts.max_length}: {over} ({100 * over / rows:.1f}%), which would {effect}")
+    lines.append(f"rows over data.max_length={opts.max_length}: {over} ({100 * over / rows:.1f}%), "
+                 f"which would {effect}")
     if counts:
         lines.append("counts: " + ", ".join(f"{name}={n}" for name, n in sorted(counts.items())))
     if not lengths:

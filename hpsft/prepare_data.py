@@ -131,7 +131,8 @@ def parquet_record(messages: list[dict], tools: list[dict] | None) -> dict:
     return {"messages": [stored(m) for m in messages], **({"tools": json.dumps(tools)} if tools else {})}
 
 
-def fitted_records(messages, tools, tokenizer, opts: TokenizeOptions) -> tuple[list[dict], list[tuple[int, int]], Counter]:
+def fitted_records(messages, tools, tokenizer,
+                   opts: TokenizeOptions) -> tuple[list[dict], list[tuple[int, int]], Counter]:
     """The records a kept row is written as, the (tokens, supervised tokens) of the sequences
     they train, and the data stage's counts. A row within opts.max_length is written as it is;
     one over it is dropped (opts.truncation=error) or written as the conversations its turn

@@ -145,7 +145,8 @@ def test_turn_policies_on_real_sharegpt_rows(tokenizer, sharegpt, policy):
         over = n_tokens(tokenizer, rendering(tokenizer, messages)) > max_length
         assert result.counts.get("over_max_length_rows", 0) == over
         if not over:
-            assert len(result.sequences) == 1 and tokenizer.decode(result.sequences[0][0]) == rendering(tokenizer, messages)
+            [(ids, _)] = result.sequences
+            assert tokenizer.decode(ids) == rendering(tokenizer, messages)
         elif policy == "split":
             check_split(tokenizer, messages, result.sequences, max_length, result.counts.get("dropped_turns", 0))
         elif result.sequences:
@@ -272,3 +273,25 @@ def test_row_conversations_are_the_messages_each_sequence_renders(tokenizer):
     for conversation in fitted.conversations:
         again = row_sequences({"messages": conversation.rendered.messages}, tokenizer, options(max_length=400))
         assert again.sequences == [(conversation.input_ids, conversation.loss_mask)]
+
+
+def test_a_batch_of_rows_gives_each_row_what_it_gives_alone(tokenizer, sharegpt):
+    """rows_sequences tokenizes the whole renderings of its rows in one call: a refused row,
+    one split, one trained per turn and plain ones in the same batch each get their own
+    sequences (or their own error), as row_sequences gives them one at a time. Catches
+    renderings and encodings paired with the wrong row."""
+    from hpsft.data.row_sequences import rows_sequences
+
+    rows = [{"messages": sharegpt[0]}, {"messages": [{"role": "robot", "content": "x"}]}, {"messages": LONG},
+            {"messages": sharegpt[1]}, {"messages": [{"role": "user", "content": "hi"}]}, {"messages": sharegpt[2]}]
+    for opts in (options(max_length=400, truncation="split"), options(max_length=400, truncation="split",
+                                                                      multiturn="per_turn")):
+        batch = rows_sequences(rows, tokenizer, opts)
+        for row, result in zip(rows, batch):
+            try:
+                alone = row_sequences(row, tokenizer, opts)
+            except BadRow as err:
+                assert isinstance(result, BadRow) and str(result) == str(err)
+                continue
+            assert result == alone
+        assert [isinstance(r, BadRow) for r in batch] == [False, True, False, False, True, False]

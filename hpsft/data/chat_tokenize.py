@@ -27,12 +27,12 @@ Templates render in transformers' sandboxed Jinja environment: one that reaches 
 internals (`().__class__`, `cycler.__init__.__globals__`) stops the run, whatever the row.
 """
 
-import bisect
 from dataclasses import dataclass
 from typing import Callable
 
 import jinja2
 from jinja2.sandbox import SecurityError
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
 from hpsft.errors import UserInputError
@@ -52,13 +52,20 @@ class HistoryRewritten(BadRow):
 
 def template_renderer(tokenizer, tools, chat_template) -> Callable[[list[dict], bool], str]:
     """render(messages, add_generation_prompt) -> the template's text; a template error on the
-    conversation is a BadRow, one that concerns the template itself stops the run."""
+    conversation is a BadRow, one that concerns the template itself stops the run.
+
+    It renders as tokenizer.apply_chat_template(tokenize=False) does, through the function
+    that one calls, with the template and the special tokens looked up once: apply_chat_template
+    also copies and re-normalises the messages on every call (40 % of a render), which
+    normalize_messages has done once for all of a row's prefix renderings."""
+    template = tokenizer.get_chat_template(chat_template, tools)
+    special_tokens = tokenizer.special_tokens_map
+
     def render(msgs, add_generation_prompt):
         try:
-            return tokenizer.apply_chat_template(
-                msgs, tools=tools, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
+            rendered, _ = render_jinja_template(conversations=[msgs], tools=tools, chat_template=template,
+                                                add_generation_prompt=add_generation_prompt, **special_tokens)
+            return rendered[0]
         except jinja2.TemplateSyntaxError as err:
             raise UserInputError(f"the chat template does not compile: {err} (line {err.lineno})") from None
         except SecurityError as err:  # transformers renders in jinja2's ImmutableSandboxedEnvironment
@@ -125,7 +132,7 @@ class RenderedConversation:
     rendered: Callable[[int, bool], str]
 
 
-def render_conversation(render, messages: list[dict], eos_token: str | None) -> RenderedConversation:
+def render_conversation(render, messages: list[dict], eos_token: str | None, tools=None) -> RenderedConversation:
     """The rendering of normalised `messages` and the spans of their supervised assistant turns."""
     rendered = prefix_renderer(render, messages)
     full = rendered(len(messages), False)
@@ -150,59 +157,79 @@ def render_conversation(render, messages: list[dict], eos_token: str | None) -> 
                 raise BadRow(f"the chat template does not write the tool call {call['function']['name']!r} of "
                              f"message {i}; give a template that renders tool_calls (data.chat_template)")
         spans.append((len(before), len(before) + len(turn)))
+    for tool in tools or ():
+        if tool["function"]["name"] not in full:
+            raise BadRow(f"the chat template does not write the row's tools (no {tool['function']['name']!r} in "
+                         "its text); give a template that renders tools (data.chat_template)")
     return RenderedConversation(messages, full, spans, closing, rendered)
 
 
 @dataclass
 class EncodedConversation:
-    """A rendered conversation as tokens: ids, 0/1 loss mask, and where each token starts in
-    the text (to find the token at a character position)."""
+    """A rendered conversation as tokens: ids, 0/1 loss mask, and the tokenizer's encoding of
+    the text (which token holds which character)."""
 
     rendered: RenderedConversation
     input_ids: list[int]
     loss_mask: list[int]
-    token_starts: list[int]
+    encoding: object  # tokenizers.Encoding
 
     def tokens_before(self, char_pos: int) -> int:
         """The number of tokens that start before character `char_pos` of the text."""
-        return bisect.bisect_left(self.token_starts, char_pos)
+        n_chars, encoding = len(self.rendered.text), self.encoding
+        token = None
+        while char_pos < n_chars and (token := encoding.char_to_token(char_pos)) is None:
+            char_pos += 1  # a character no token holds (a normaliser dropped it): no token starts there
+        if char_pos >= n_chars:
+            return len(self.input_ids)
+        # The first token holding the character may start before it (a token merging the last
+        # characters before it), and so may the next ones (bytes of one character split over tokens).
+        while token < len(self.input_ids) and encoding.token_to_chars(token)[0] < char_pos:
+            token += 1
+        return token
 
 
-def masked_tokens(rendered: RenderedConversation, input_ids: list[int], offsets) -> EncodedConversation:
-    """The tokenizer's ids and offsets of rendered.text, with the loss mask of its spans."""
-    text, spans = rendered.text, rendered.spans
-    loss_mask = [0] * len(input_ids)
-    span_idx = 0
-    for t, (start, end) in enumerate(offsets):
-        while span_idx < len(spans) and start >= spans[span_idx][1]:
-            span_idx += 1
-        if span_idx == len(spans):
-            break
-        span_start, span_end = spans[span_idx]
-        # A token that starts before a turn (content that opens with whitespace merging with the
-        # generation prompt's newline) stays unsupervised: the prompt is tokenized on its own at
-        # inference, so the model never emits that token there. One that runs past the end would
-        # teach the model to emit the start of the next turn: no mask is right, so refuse.
-        if start < span_end < end:
+def masked(rendered: RenderedConversation, input_ids: list[int], encoding) -> EncodedConversation:
+    """The loss mask of rendered.text's tokens: a token is supervised when it starts inside a
+    span. A token that starts before a turn (content that opens with whitespace merging with
+    the generation prompt's newline) stays unsupervised: the prompt is tokenized on its own at
+    inference, so the model never emits that token there. One that runs past the end would
+    teach the model to emit the start of the next turn: no mask is right, so the row is refused."""
+    encoded = EncodedConversation(rendered, input_ids, [0] * len(input_ids), encoding)
+    for start, end in rendered.spans:
+        first, last = encoded.tokens_before(start), encoded.tokens_before(end)
+        if last and encoding.token_to_chars(last - 1)[1] > end:
+            token_start, token_end = encoding.token_to_chars(last - 1)
             raise BadRow(
-                f"token {text[start:end]!r} runs past the end of an assistant turn: the tokenizer does not "
-                "split at the chat template's end-of-turn marker (does its vocabulary have the template's "
+                f"token {rendered.text[token_start:token_end]!r} runs past the end of an assistant turn: the tokenizer "
+                "does not split at the chat template's end-of-turn marker (does its vocabulary have the template's "
                 "special tokens?)"
             )
-        if span_start <= start:
-            loss_mask[t] = 1
-    return EncodedConversation(rendered, input_ids, loss_mask, [start for start, _ in offsets])
+        encoded.loss_mask[first:last] = [1] * (last - first)
+    return encoded
+
+
+def encode_rendered(tokenizer, rendered: list[RenderedConversation]) -> list[EncodedConversation | BadRow]:
+    """The rendered conversations tokenized in one call of the tokenizer (one call costs less
+    than one a text) and masked; a conversation no mask fits is its BadRow."""
+    if not rendered:
+        return []
+    batch = tokenizer([r.text for r in rendered], add_special_tokens=False)
+    out = []
+    for r, input_ids, encoding in zip(rendered, batch["input_ids"], batch.encodings):
+        try:
+            out.append(masked(r, input_ids, encoding))
+        except BadRow as err:
+            out.append(err)
+    return out
 
 
 def encode_conversation(tokenizer, render, messages: list[dict], tools=None) -> EncodedConversation:
     """Normalised `messages` rendered by `render` (template_renderer), tokenized and masked."""
-    rendered = render_conversation(render, messages, tokenizer.eos_token)
-    for tool in tools or ():
-        if tool["function"]["name"] not in rendered.text:
-            raise BadRow(f"the chat template does not write the row's tools (no {tool['function']['name']!r} in "
-                         "its text); give a template that renders tools (data.chat_template)")
-    encoded = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
-    return masked_tokens(rendered, encoded["input_ids"], encoded["offset_mapping"])
+    [encoded] = encode_rendered(tokenizer, [render_conversation(render, messages, tokenizer.eos_token, tools)])
+    if isinstance(encoded, BadRow):
+        raise encoded
+    return encoded
 
 
 def tokenize_conversation(tokenizer, messages, tools=None, chat_template=None) -> tuple[list[int], list[int]]:

@@ -8,9 +8,10 @@
    from whole turns, as conversations the template renders again; `left` and `right` cut
    tokens; `error` refuses the row.
 
-`row_sequences` is the one place the data stage turns a row into training sequences: the
-data stage (hpsft/data/dataset.py) and hpsft inspect-data call it. hpsft prepare-data, which
-writes conversations rather than tokens, calls its first half, `row_conversations`.
+`rows_sequences` (many rows: their renderings tokenized in one tokenizer call) and
+`row_sequences` (one row) are the one place rows become training sequences: the data stage
+(hpsft/data/preparation.py) and hpsft inspect-data call them. hpsft prepare-data, which
+writes conversations rather than tokens, calls their first half, `row_conversations`.
 
 A turn is where a conversation may be cut: turns begin at the first message after the
 leading system messages and at each user message that follows a non-user message, so a
@@ -24,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
-from hpsft.data.chat_tokenize import EncodedConversation, HistoryRewritten, PREFIX_MISMATCH, encode_conversation, \
-    template_renderer
+from hpsft.data.chat_tokenize import EncodedConversation, HistoryRewritten, PREFIX_MISMATCH, RenderedConversation, \
+    encode_rendered, render_conversation, template_renderer
 from hpsft.data.rows import TokenizeOptions, row_to_messages
 
 TURN_POLICIES = ("turns", "split")  # the truncation policies that cut only between turns
@@ -58,14 +59,26 @@ class OverMaxLength(BadRow):
 
 def row_sequences(row, tokenizer, opts: TokenizeOptions) -> RowSequences:
     """The sequences of one row; a malformed row, or one the policy refuses, raises BadRow."""
-    fitted = row_conversations(row, tokenizer, opts)
+    [result] = rows_sequences([row], tokenizer, opts)
+    if isinstance(result, BadRow):
+        raise result
+    return result
+
+
+def rows_sequences(rows: list, tokenizer, opts: TokenizeOptions) -> list[RowSequences | BadRow]:
+    """Each row's sequences, or the BadRow it raised (the caller names its file and row)."""
+    return [fitted if isinstance(fitted, BadRow) else fitted_to_max_length(fitted, opts)
+            for fitted in rows_conversations(rows, tokenizer, opts)]
+
+
+def fitted_to_max_length(fitted: RowConversations, opts: TokenizeOptions) -> RowSequences | BadRow:
+    """The conversations' tokens; one over data.max_length cut (left, right) or refused (error)."""
     sequences = [(c.input_ids, c.loss_mask) for c in fitted.conversations]
-    over = [len(ids) > opts.max_length for ids, _ in sequences]
-    if any(over):
+    if any(len(ids) > opts.max_length for ids, _ in sequences):
         if opts.truncation == "error":
             longest = max(len(ids) for ids, _ in sequences)
-            raise OverMaxLength(f"sequence has {longest} tokens > data.max_length={opts.max_length} (raise "
-                                "data.max_length or set data.truncation=turns|split|left|right)")
+            return OverMaxLength(f"sequence has {longest} tokens > data.max_length={opts.max_length} (raise "
+                                 "data.max_length or set data.truncation=turns|split|left|right)")
         keep = slice(-opts.max_length, None) if opts.truncation == "left" else slice(0, opts.max_length)
         sequences = [(ids[keep], mask[keep]) for ids, mask in sequences]
         fitted.counts["cut_rows"] += 1
@@ -73,21 +86,88 @@ def row_sequences(row, tokenizer, opts: TokenizeOptions) -> RowSequences:
 
 
 def row_conversations(row, tokenizer, opts: TokenizeOptions) -> RowConversations:
-    """The conversations one row trains, each rendered as one sequence (see the module's doc)."""
-    messages, tools = row_to_messages(row, opts)
-    messages, tools = normalize_messages(messages), normalize_tools(tools)
-    render = template_renderer(tokenizer, tools, opts.chat_template)
+    """The conversations one row trains, each rendered as one sequence (see the module's doc);
+    a malformed row raises BadRow."""
+    [result] = rows_conversations([row], tokenizer, opts)
+    if isinstance(result, BadRow):
+        raise result
+    return result
 
-    def encode(conversation: list[dict]) -> EncodedConversation:
-        return encode_conversation(tokenizer, render, conversation, tools)
 
-    if opts.multiturn != "per_turn":
+class Encoder:
+    """Renders and tokenizes conversations of one row: its tools, the template."""
+
+    def __init__(self, tokenizer, tools, chat_template):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.render = template_renderer(tokenizer, tools, chat_template)
+
+    def rendered(self, conversation: list[dict]) -> RenderedConversation:
+        return render_conversation(self.render, conversation, self.tokenizer.eos_token, self.tools)
+
+    def encoded(self, rendered: list[RenderedConversation]) -> list[EncodedConversation]:
+        """Tokenized in one call; the first conversation no mask fits raises its BadRow."""
+        out = encode_rendered(self.tokenizer, rendered)
+        for encoded in out:
+            if isinstance(encoded, BadRow):
+                raise encoded
+        return out
+
+    def __call__(self, conversation: list[dict]) -> EncodedConversation:
+        return self.encoded([self.rendered(conversation)])[0]
+
+
+def rows_conversations(rows: list, tokenizer, opts: TokenizeOptions) -> list[RowConversations | BadRow]:
+    """The conversations each row trains, or the BadRow it raised. Each row is rendered whole
+    first, and all those renderings are tokenized in one call; a row whose template rewrites
+    its history (data.multiturn=auto) then goes per turn."""
+    pending = []  # per row: (messages, encoder, its whole rendering or None) or its BadRow
+    for row in rows:
         try:
-            return whole_conversation(encode, messages, opts)
-        except HistoryRewritten:
-            if opts.multiturn == "whole":
-                raise
-    return per_turn_conversations(encode, messages, opts)
+            messages, tools = row_to_messages(row, opts)
+            messages, tools = normalize_messages(messages), normalize_tools(tools)
+            encoder = Encoder(tokenizer, tools, opts.chat_template)
+            pending.append((messages, encoder, whole_rendering(encoder, messages, opts)))
+        except BadRow as err:
+            pending.append(err)
+    wholes = [p[2] for p in pending if not isinstance(p, BadRow) and p[2] is not None]
+    encoded = iter(encode_rendered(tokenizer, wholes))
+    out = []
+    for p in pending:
+        if isinstance(p, BadRow):
+            out.append(p)
+            continue
+        messages, encoder, rendered = p
+        try:
+            whole = None if rendered is None else next(encoded)
+            if isinstance(whole, BadRow):
+                raise whole
+            out.append(per_turn_conversations(encoder, messages, opts) if whole is None
+                       else fitted_whole(encoder, messages, whole, opts))
+        except BadRow as err:
+            out.append(err)
+    return out
+
+
+def whole_rendering(encoder: Encoder, messages: list[dict], opts: TokenizeOptions) -> RenderedConversation | None:
+    """The conversation rendered as one sequence; None when it is to be trained per turn."""
+    if opts.multiturn == "per_turn":
+        return None
+    try:
+        return encoder.rendered(messages)
+    except HistoryRewritten:
+        if opts.multiturn == "whole":
+            raise
+        return None
+
+
+def fitted_whole(encoder: Encoder, messages: list[dict], whole: EncodedConversation, opts) -> RowConversations:
+    """whole_conversation, or per turn when fitting it shows the template rewrites history."""
+    try:
+        return whole_conversation(encoder, messages, whole, opts)
+    except HistoryRewritten:
+        if opts.multiturn == "whole":
+            raise
+        return per_turn_conversations(encoder, messages, opts)
 
 
 def turn_starts(messages: list[dict]) -> list[int]:
@@ -108,7 +188,8 @@ def sub_conversation(messages: list[dict], starts: list[int], first: int, traine
 
 def as_context_before(messages: list[dict], k: int) -> list[dict]:
     """messages[:k + 1], every assistant turn but the last made context (weight 0)."""
-    return [dict(msg, weight=0) if msg["role"] == "assistant" and i < k else msg for i, msg in enumerate(messages[:k + 1])]
+    return [dict(msg, weight=0) if msg["role"] == "assistant" and i < k else msg
+            for i, msg in enumerate(messages[:k + 1])]
 
 
 def turn_token_bounds(whole: EncodedConversation, starts: list[int]) -> list[int]:
@@ -135,10 +216,10 @@ def turn_token_bounds(whole: EncodedConversation, starts: list[int]) -> list[int
     return bounds + [whole.tokens_before(len(body))]
 
 
-def whole_conversation(encode, messages: list[dict], opts: TokenizeOptions) -> RowConversations:
-    """The conversation as one sequence; over data.max_length under turns or split, whole
-    turns of it rendered again as conversations."""
-    whole = encode(messages)
+def whole_conversation(encode, messages: list[dict], whole: EncodedConversation,
+                       opts: TokenizeOptions) -> RowConversations:
+    """The conversation as one sequence (`whole`); over data.max_length under turns or split,
+    whole turns of it rendered again as conversations by `encode` (an Encoder)."""
     if len(whole.input_ids) <= opts.max_length:
         return RowConversations([whole])
     counts = Counter(over_max_length_rows=1)
@@ -210,21 +291,21 @@ def whole_conversation(encode, messages: list[dict], opts: TokenizeOptions) -> R
     return counted(RowConversations(conversations, counts=counts), dropped_turns, opts)
 
 
-def per_turn_conversations(encode, messages: list[dict], opts: TokenizeOptions) -> RowConversations:
+def per_turn_conversations(encoder: Encoder, messages: list[dict], opts: TokenizeOptions) -> RowConversations:
     """One sequence per supervised assistant turn: the history as the template writes it when
-    that turn is generated (context only), and the turn (reasoning included). Over
-    data.max_length: under turns the sequence is dropped, under split its oldest history turns
-    are (as few as needed)."""
+    that turn is generated (context only), and the turn (reasoning included); all of them
+    tokenized in one call. Over data.max_length: under turns the sequence is dropped, under
+    split its oldest history turns are (as few as needed)."""
     targets = [k for k, msg in enumerate(messages) if is_supervised(msg)]
+    alone = [as_context_before(messages, k) for k in targets]
+    encoded = encoder.encoded([encoder.rendered(conversation) for conversation in alone])
     conversations, lengths, counts, dropped_turns = [], [], Counter(), 0
-    for k in targets:
-        alone = as_context_before(messages, k)
-        conversation = encode(alone)
+    for conversation, history in zip(encoded, alone):
         lengths.append(len(conversation.input_ids))
         if len(conversation.input_ids) > opts.max_length:
             counts["over_max_length_rows"] = 1
             if opts.truncation in TURN_POLICIES:
-                conversation = shortest_history(encode, alone, opts) if opts.truncation == "split" else None
+                conversation = shortest_history(encoder, history, opts) if opts.truncation == "split" else None
                 if conversation is None:
                     dropped_turns += 1
                     continue
