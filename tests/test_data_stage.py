@@ -289,8 +289,8 @@ def test_memory_does_not_grow_with_the_dataset(tmp_path, model_path, sharegpt):
     is within 10% and grows by less than 1 byte per added token (tokens held in the rank's
     own memory, as int32 + bool, would add 5). Catches: the dataset gathered in Python lists
     or loaded whole into a rank (planted: the store's token arrays copied out of the mapped
-    files: RssAnon grew by 17.9 MB for 6.0M more tokens, the bound 6.0 MB; measured without
-    it: 0.97 GB at 1x and 4x alike, peaks 0.58 GB both)."""
+    files: RssAnon 0.970 -> 0.987 GB, 17.9 MB more for 6.0M more tokens, over the 6.0 MB bound;
+    the preparation peaks were 0.58 GB at both scales)."""
     rows = [{"messages": c} for c in sharegpt[:2500]]
     peaks, rss, tokens = [], [], []
     for repeat in (1, 4):
