@@ -16,7 +16,7 @@ Measured in one sitting, ratios against baselines run in the same sitting:
 6. max/mean tokens per rank of each step's global batch, dealt every n-th vs split by
    hpsft/data/balance.py, at 8 and 64 ranks x 8 sequences, on the store's lengths.
 
-    python benchmarks/bench_data.py [--scales 1,4] [--max-length 2048] [--rows N] [--skip-datasets]
+    python benchmarks/bench_data.py [--scales 1,4] [--max-length 2048] [--rows N] [--shard-mb 4] [--skip-datasets]
 
 `--rows N`: only the first N conversations (a quick look); `--scales 1,4` writes the corpus
 repeated as one JSONL file per scale under --work (default .cache/bench_data).
@@ -47,7 +47,7 @@ if __name__ == "__main__":
     opts = TokenizeOptions("messages", "prompt", "response", "tools", None, max_length, "right", "skip")
     tokenizer = load_tokenizer(model)
     start = time.perf_counter()
-    store = prepared_store(path, tokenizer, opts, cache, LocalRunner(num_proc))
+    store = prepared_store(path, tokenizer, opts, cache, LocalRunner(num_proc), shard_mb=float(sys.argv[6]))
     seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "rows": store.summary["rows"], "tokens": store.summary["tokens"],
                       "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -60,10 +60,10 @@ def env() -> dict:
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 
 
-def prepare(path: Path, cache: Path, num_proc: int, max_length: int) -> dict:
+def prepare(path: Path, cache: Path, num_proc: int, max_length: int, shard_mb: float) -> dict:
     shutil.rmtree(cache, ignore_errors=True)
     out = subprocess.run([sys.executable, "-c", PREPARE, str(path), str(cache), str(num_proc), str(max_length),
-                          str(MODEL)], env=env(), capture_output=True, text=True, check=False)
+                          str(MODEL), str(shard_mb)], env=env(), capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -118,11 +118,12 @@ def datasets_map_rate(path: Path, cache: Path, max_length: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def first_step(path: Path, cache: Path, out_dir: Path, max_length: int) -> dict:
+def first_step(path: Path, cache: Path, out_dir: Path, max_length: int, shard_mb: float) -> dict:
     """A 1-step, one-process run on the warm store: wall time and RssAnon after step 1."""
     shutil.rmtree(out_dir, ignore_errors=True)
     args = [f"model.path={MODEL}", f"data.train_files=[{path}]", "data.val_files=[]", f"data.max_length={max_length}",
-            "data.truncation=right", "data.bad_rows=skip", f"data.cache_dir={cache}", "data.train_batch_size=4",
+            "data.truncation=right", "data.bad_rows=skip", f"data.cache_dir={cache}", f"data.shard_mb={shard_mb}",
+            "data.train_batch_size=4",
             "data.micro_batch_size_per_gpu=4", f"trainer.output_dir={out_dir}", "trainer.progress_bar=false",
             "trainer.loggers=[jsonl]", "trainer.total_steps=1", "trainer.export_hf=false",
             "trainer.peak_flops_per_device=1e12"]
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--work", type=Path, default=REPO / ".cache" / "bench_data")
     parser.add_argument("--skip-datasets", action="store_true")
+    parser.add_argument("--shard-mb", type=float, default=4.0, help="data.shard_mb (default 4: 16 shards at 1x)")
     args = parser.parse_args()
     from hpsft.assets.chat_corpora import sharegpt_conversations
 
@@ -179,8 +181,8 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; corpus: {len(rows)} conversations "
           f"({base.stat().st_size / 2**20:.0f} MiB JSONL), max_length {args.max_length}", flush=True)
 
-    one = prepare(base, args.work / "cache-p1", 1, args.max_length)
-    two = prepare(base, args.work / "cache-p2", 2, args.max_length)
+    one = prepare(base, args.work / "cache-p1", 1, args.max_length, args.shard_mb)
+    two = prepare(base, args.work / "cache-p2", 2, args.max_length, args.shard_mb)
     raw = raw_tokenizer_rate(rows, max_rows=min(len(rows), 3000))
     print("\n| preparation (x{}) | rows/s | tokens/s | ratio |".format(scales[0]))
     print("|---|---|---|---|")
@@ -201,13 +203,15 @@ def main() -> None:
     print("|---|---|---|---|---|")
     results = {}
     for scale in (scales[0], scales[-1]):
-        prep = one if scale == scales[0] else prepare(files[scale], args.work / f"cache-x{scale}", 2, args.max_length)
-        if scale != scales[0]:  # the peak of one process, as at 1x
-            prep_peak = prepare(files[scale], args.work / f"cache-x{scale}-p1", 1, args.max_length)["peak_rss"]
+        if scale == scales[0]:
+            prep, prep_peak = one, one["peak_rss"]
         else:
-            prep_peak = prep["peak_rss"]
+            prep = prepare(files[scale], args.work / f"cache-x{scale}", 2, args.max_length, args.shard_mb)
+            # The peak of one process, as at 1x.
+            prep_peak = prepare(files[scale], args.work / f"cache-x{scale}-p1", 1, args.max_length,
+                                args.shard_mb)["peak_rss"]
         cache = Path(prep["store"]).parent
-        run = first_step(files[scale], cache, args.work / f"run-x{scale}", args.max_length)
+        run = first_step(files[scale], cache, args.work / f"run-x{scale}", args.max_length, args.shard_mb)
         assert not run["preparing"], "the run prepared data: the store was not warm"
         results[scale] = (prep_peak, run)
         print(f"| {scale}x | {prep['tokens']} | {prep_peak / 2**30:.3f} GiB | {run['seconds']:.1f} s | "
