@@ -122,6 +122,10 @@ CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"c
         ({"messages": [*QUESTION, {"role": "tool", "tool_call_id": 7, "content": "{}"}, *ANSWER]},
          "message 1 tool_call_id must be a string, got int"),
         ({"messages": [*QUESTION, *ANSWER], "tools": "[{broken"}, "tools are not valid JSON"),
+        ({"messages": [dict(QUESTION[0], weight=1), *ANSWER]}, "message 0 has a weight but role 'user'"),
+        ({"messages": [*QUESTION, dict(ANSWER[0], weight=0.5)]},
+         "message 1 weight must be 0 (context only) or 1 (trained), got 0.5"),
+        ({"messages": [*QUESTION, dict(ANSWER[0], weight=0)]}, "every assistant turn has weight 0: nothing to learn"),
         ({"messages": [*QUESTION, *ANSWER], "tools": [{"name": "f"}]}, "tools must be a list of {'type': 'function'"),
     ],
 )

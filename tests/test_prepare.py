@@ -4,6 +4,7 @@ written data is what hpsft's loader reads, the written model is the source's."""
 
 import json
 import shutil
+from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
@@ -15,6 +16,7 @@ from hpsft.data.rows import TokenizeOptions, read_rows
 from hpsft.prepare_data import main as prepare_data
 from hpsft.prepare_model import main as prepare_model
 from tests.conftest import columns, write_jsonl, write_parquet
+from tests.test_chat_data import spans
 
 MAX_LENGTH = 128
 
@@ -226,3 +228,40 @@ def test_prepare_model_warns_of_a_missing_chat_template_and_refuses_a_missing_to
     assert prepare_model([str(no_tokenizer), "--out", str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
     assert "hpsft: error:" in err and "no tokenizer loads from it" in err
+
+
+@pytest.mark.parametrize("policy", ["turns", "split"])
+def test_prepare_data_fits_long_conversations_by_turns(policy, tmp_path, capsys, tokenizer, model_path):
+    """--truncation turns|split on real ShareGPT rows: what is written loads with
+    data.truncation=error at --max-length (every sequence fits), trains each kept assistant
+    turn once (turns: the leading ones of each row), and the report counts add up."""
+    from hpsft.assets.chat_corpora import sharegpt_conversations
+
+    conversations = sharegpt_conversations(40)
+    source = write_jsonl([{"messages": c} for c in conversations], tmp_path / "sharegpt.jsonl")
+    out = tmp_path / "out"
+    assert prepare_data([source, "--out", str(out), "--tokenizer", model_path, "--max-length", "512",
+                         "--truncation", policy]) == 0
+    report = json.loads((out / "report.json").read_text())
+    counts = report["counts"]
+    over = sum(len(tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"])
+               > 512 for c in conversations)
+    assert report["truncation"] == policy and counts["over_max_length_rows"] == over > 10
+    assert counts[f"{policy}_rows"] == over - report["dropped"]["over_max_length"]
+    assert report["rows_kept"] == len(conversations) - report["dropped"]["over_max_length"]
+    opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+                           chat_template=None, max_length=512, truncation="error", bad_rows="error")
+    data = prepared_store(str(out / "train.parquet"), tokenizer, opts, tmp_path / "tokenized")
+    fitted = counts["split_sequences"] if policy == "split" else counts["turns_rows"]  # rows written for the long ones
+    assert len(data) == report["written"][str(out / "train.parquet")] == len(conversations) - over + fitted
+    supervised, supervised_tokens = Counter(), 0
+    for item in (data[i] for i in range(len(data))):
+        supervised.update(tokenizer.decode(item["input_ids"][a:b]) for a, b in spans(item["loss_mask"].tolist()))
+        supervised_tokens += int(item["loss_mask"].sum())
+    turns = Counter(m["content"] + "<|im_end|>" for c in conversations for m in c if m["role"] == "assistant")
+    assert all(supervised[t] <= turns[t] for t in supervised) and set(supervised) <= set(turns)
+    assert sum(turns.values()) - sum(supervised.values()) == counts.get("dropped_turns", 0)
+    assert report["token_lengths"]["max"] <= 512 and report["token_lengths"]["supervised"] == supervised_tokens
+    if policy == "turns":  # each written row is the start of its conversation
+        written = [row["messages"] for row in read_rows(out / "train.parquet")]
+        assert all(any(c[:len(w)] == w for c in conversations) for w in written)

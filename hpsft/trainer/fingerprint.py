@@ -103,6 +103,8 @@ def run_fingerprint(config, tokenizer) -> dict:
         **{f"data.{name}": getattr(data, name) for name in (
             "messages_key", "prompt_key", "response_key", "tools_key", "max_length", "truncation", "bad_rows",
             "train_batch_size", "shuffle")},
+        # Absent at its default, so checkpoints written before the key existed still match.
+        **({"data.multiturn": data.multiturn} if data.multiturn != "auto" else {}),
         "trainer.seed": config.trainer.seed,
         "loss.z_loss_weight": loss.z_loss_weight,
         "loss.label_smoothing": loss.label_smoothing,
