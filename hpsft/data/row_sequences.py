@@ -9,7 +9,7 @@
    tokens; `error` refuses the row.
 
 `row_sequences` is the one place the data stage turns a row into training sequences: the
-data stage (hpsft/data/dataset.py) and hpsft inspect-data call it. hpsft prepare-data, which
+data stage (hpsft/data/preparation.py) and hpsft inspect-data call it. hpsft prepare-data, which
 writes conversations rather than tokens, calls its first half, `row_conversations`.
 
 A turn is where a conversation may be cut: turns begin at the first message after the
