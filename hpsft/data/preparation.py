@@ -376,10 +376,11 @@ def checked_manifest(store_dir: Path, tokenizer, opts: TokenizeOptions) -> dict:
 
 
 def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner, shard_mb: float,
-            name: str, report: bool, bar: bool, check_shards: bool = False) -> tuple[Path, dict]:
-    """The store folder of `entry` in cache_dir and its manifest, after preparing the shards
-    not complete there. A complete store's shards are checked when it is opened, or here with
-    `check_shards`."""
+            name: str, report: bool, bar: bool, check_shards: bool = False,
+            store_dir: Path | None = None) -> tuple[Path, dict]:
+    """The store folder of `entry` in cache_dir (or `store_dir`) and its manifest, after
+    preparing the shards not complete there. A complete store's shards are checked when it is
+    opened, or here with `check_shards`."""
     files = expand_entry(entry)
     if opts.chat_template is None and tokenizer.chat_template is None:
         raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no chat template: name one with "
@@ -387,7 +388,7 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
     shard_bytes = max(1, int(shard_mb * (1 << 20)))
     identity = store_identity(files, tokenizer, opts, shard_bytes)
     key = store_key(identity)
-    store_dir = Path(cache_dir) / key
+    store_dir = store_dir or Path(cache_dir) / key
     manifest = manifest_of(store_dir, key)
     if manifest is not None and not check_shards:
         return store_dir, manifest
