@@ -61,12 +61,19 @@ def test_shards_cut_files_at_row_boundaries_and_keep_every_rows_number(tmp_path,
 
 
 def test_entries_may_be_folders_and_globs(tmp_path, chat_rows):
+    """A folder's data files, recursively, in path order, without hidden files or the token
+    stores a folder may hold (their JSON sidecars are no data); a glob's matches."""
     folder = tmp_path / "parts"
     (folder / "b").mkdir(parents=True)
     a = write_jsonl([{"messages": c} for c in chat_rows[:3]], folder / "a.jsonl")
     b = write_parquet([{"messages": c} for c in chat_rows[3:5]], folder / "b" / "b.parquet")
     (folder / ".hidden.jsonl").write_text("not json\n")
     (folder / "notes.txt").write_text("ignored")
+    for store in ("cache/0123", "prepared.store"):  # a data.cache_dir, and a store of prepare-data --store
+        (folder / store).mkdir(parents=True)
+        (folder / store / "shard-00000.arrow").write_bytes(b"")
+        (folder / store / "shard-00000.json").write_text("{\n}\n")
+    (folder / "prepared.store" / "store.json").write_text("{}")
     assert expand_entry(str(folder)) == [Path(a), Path(b)]
     assert expand_entry(str(folder / "**" / "*.parquet")) == [Path(b)]
     from hpsft.data.rows import DataError
