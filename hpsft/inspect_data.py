@@ -13,6 +13,7 @@ and how many rows are refused and why. Nothing is written.
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 from collections import Counter
@@ -20,8 +21,10 @@ from pathlib import Path
 
 from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
+from hpsft.data.preparation import MANIFEST, is_store, summary_text
 from hpsft.data.row_sequences import OverMaxLength, row_sequences
 from hpsft.data.rows import TokenizeOptions, read_rows
+from hpsft.data.shards import expand_entry
 from hpsft.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.loading import check_model_path, load_tokenizer
 
@@ -91,6 +94,19 @@ def length_report(lengths: list[int], rows: int, refused: Counter, counts: Count
     return lines + histogram(lengths)
 
 
+def input_files(sources) -> list[Path]:
+    """The data files of the entries (files, folders, globs); a prepared token store has no
+    rows to show, only what it holds."""
+    files = []
+    for source in sources:
+        if is_store(source.path):
+            manifest = json.loads((Path(source.path) / MANIFEST).read_text())
+            print(f"=== {source.path}: a prepared token store: {summary_text(manifest)}")
+        else:
+            files += expand_entry(source.path)
+    return files
+
+
 @exits_2_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hpsft inspect-data", description=__doc__,
@@ -115,7 +131,7 @@ def main(argv=None) -> int:
     # measured as it renders, without a limit.
     unlimited = dataclasses.replace(opts, max_length=sys.maxsize)
     lengths, rows, refused, counts, shown = [], 0, Counter(), Counter(), 0
-    for path in (Path(source.path) for source in config.data.train_sources()):
+    for path in input_files(config.data.train_sources()):
         for row_idx, row in enumerate(read_rows(path)):
             if args.stats_rows is not None and rows + sum(refused.values()) >= args.stats_rows:
                 break

@@ -23,7 +23,9 @@ marked as context (weight 0): docs/data.md, "Long conversations".
 """
 
 import argparse
+import dataclasses
 import json
+import multiprocessing
 import random
 import sys
 from collections import Counter
@@ -34,6 +36,7 @@ import pyarrow.parquet as pq
 
 from hpsft.assets import chat_corpora
 from hpsft.data.chat_messages import BadRow, normalize_messages, normalize_tools
+from hpsft.data.preparation import default_num_proc
 from hpsft.data.row_sequences import row_conversations
 from hpsft.data.rows import TokenizeOptions, UnreadableRow, chat_template_text, drop_nulls, read_rows, \
     row_to_messages
@@ -152,11 +155,39 @@ def fitted_records(messages, tools, tokenizer,
     return [parquet_record(c.rendered.messages, tools) for c in fitted.conversations], lengths, fitted.counts
 
 
+FITTING: dict = {}  # the tokenizer and options of a process fitting rows (set once by start_fitting)
+
+
+def start_fitting(tokenizer, opts: TokenizeOptions) -> None:
+    FITTING.update(tokenizer=tokenizer, opts=opts)
+
+
+def fit_row(item: tuple) -> tuple:
+    """(where, fitted_records(...) or None, (reason, detail, counts) of a drop or None): a
+    worker's answer for one checked row."""
+    where, messages, tools = item
+    try:
+        return where, fitted_records(messages, tools, FITTING["tokenizer"], FITTING["opts"]), None
+    except Dropped as drop:
+        return where, None, (drop.reason, str(drop), drop.counts)
+
+
+def fitted_rows(checked, tokenizer, opts: TokenizeOptions, num_proc: int):
+    """fit_row over the checked rows, in order: in this process, or over num_proc worker
+    processes (forkserver, each with its own tokenizer), rows handed out a few at a time."""
+    if num_proc == 1:
+        start_fitting(tokenizer, opts)
+        yield from map(fit_row, checked)
+        return
+    with multiprocessing.get_context("forkserver").Pool(num_proc, start_fitting, (tokenizer, opts)) as pool:
+        yield from pool.imap(fit_row, checked, chunksize=8)
+
+
 def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: str | None = None, dedupe: bool = False,
-            progress: bool = False) -> tuple[list[list[dict]], dict]:
+            progress: bool = False, num_proc: int = 1) -> tuple[list[list[dict]], dict]:
     """The records of each kept row as written, and the report of what was read, dropped and
     kept. With a tokenizer, rows over opts.max_length are dropped or fitted by their turns
-    (fitted_records)."""
+    (fitted_records), over `num_proc` processes."""
     from tqdm import tqdm
 
     sources = [input_rows(path, split) for path in inputs]
@@ -166,28 +197,42 @@ def prepare(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: st
     kept, lengths, seen, stage_counts = [], [], set(), Counter()
     dropped, examples = Counter(), {reason: [] for reason in DROP_REASONS}
     read = 0
-    for _, rows in sources:
-        for where, row in rows:
-            read += 1
-            bar.update()
-            try:
-                messages, tools = conversation(row, opts)
-                if dedupe:
-                    key = json.dumps([messages, tools], sort_keys=True)
-                    if key in seen:
-                        raise Dropped("duplicate", "same messages and tools as an earlier row")
-                    seen.add(key)
-                records = [parquet_record(messages, tools)]
-                if tokenizer is not None:
-                    records, row_lengths, row_counts = fitted_records(messages, tools, tokenizer, opts)
-                    lengths += row_lengths
-                    stage_counts.update(row_counts)
-            except Dropped as drop:
-                dropped[drop.reason] += 1
-                stage_counts.update(drop.counts)
-                if len(examples[drop.reason]) < EXAMPLES_PER_REASON:
-                    examples[drop.reason].append(f"{where}: {drop}")
+
+    def drop(where: str, reason: str, detail: str, counts: Counter | None = None) -> None:
+        dropped[reason] += 1
+        stage_counts.update(counts or Counter())
+        if len(examples[reason]) < EXAMPLES_PER_REASON:
+            examples[reason].append(f"{where}: {detail}")
+
+    def checked():
+        """The rows' conversations, checked and deduplicated here (cheap); drops noted."""
+        nonlocal read
+        for _, rows in sources:
+            for where, row in rows:
+                read += 1
+                bar.update()
+                try:
+                    messages, tools = conversation(row, opts)
+                    if dedupe:
+                        key = json.dumps([messages, tools], sort_keys=True)
+                        if key in seen:
+                            raise Dropped("duplicate", "same messages and tools as an earlier row")
+                        seen.add(key)
+                except Dropped as dropping:
+                    drop(where, dropping.reason, str(dropping))
+                    continue
+                yield where, messages, tools
+
+    if tokenizer is None:
+        kept = [[parquet_record(messages, tools)] for _, messages, tools in checked()]
+    else:
+        for where, fitted, dropping in fitted_rows(checked(), tokenizer, opts, num_proc):
+            if dropping is not None:
+                drop(where, *dropping)
                 continue
+            records, row_lengths, row_counts = fitted
+            lengths += row_lengths
+            stage_counts.update(row_counts)
             kept.append(records)
     bar.close()
     report = {
@@ -242,6 +287,8 @@ def report_text(report: dict) -> str:
             lines.append(f"counts (--truncation {report['truncation']}): "
                          + ", ".join(f"{k}={v}" for k, v in report["counts"].items()))
     lines += [f"{path} ({n} rows)" for path, n in report["written"].items()]
+    lines += [f"{path} ({held['sequences']} sequences, {held['tokens']} tokens, {held['supervised_tokens']} supervised)"
+              for path, held in report.get("stores", {}).items()]
     return "\n".join(lines)
 
 
@@ -250,6 +297,9 @@ def prepare_files(args) -> dict:
         raise UserInputError("--max-length needs --tokenizer (a model folder) to count tokens")
     if args.max_length is not None and args.max_length < 1:
         raise UserInputError(f"--max-length must be positive, got {args.max_length}")
+    if args.store and args.tokenizer is None:
+        raise UserInputError("--store tokenizes the written rows: give --tokenizer (the model folder the store is "
+                             "for)")
     if args.truncation != "drop" and args.max_length is None:
         raise UserInputError(f"--truncation {args.truncation} fits rows to --max-length: give --max-length "
                              "(and --tokenizer)")
@@ -272,7 +322,9 @@ def prepare_files(args) -> dict:
         if opts.chat_template is None and tokenizer.chat_template is None:
             raise UserInputError(f"the tokenizer of {args.tokenizer} has no chat template: give one with "
                                  "--chat-template <Jinja text or .jinja file>")
-    kept, report = prepare(args.inputs, opts, tokenizer, args.split, args.dedupe, progress=sys.stderr.isatty())
+    num_proc = args.num_proc or default_num_proc()
+    kept, report = prepare(args.inputs, opts, tokenizer, args.split, args.dedupe, progress=sys.stderr.isatty(),
+                           num_proc=num_proc)
     if not kept:
         raise UserInputError(f"no row of {[str(p) for p in args.inputs]} was kept: {report['dropped']}, e.g. "
                              f"{next(iter(report['dropped_examples'].values()), [''])[0]}")
@@ -290,8 +342,27 @@ def prepare_files(args) -> dict:
     else:
         val_path.unlink(missing_ok=True)  # a previous run's split would no longer match train.parquet
     report.update(val_fraction=val_fraction, seed=args.seed)
+    if args.store:
+        report["stores"] = {str(path.with_suffix(".store")): write_store(path, tokenizer, opts, num_proc, args.shard_mb)
+                            for path in map(Path, report["written"])}
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def write_store(path: Path, tokenizer, opts: TokenizeOptions, num_proc: int, shard_mb: float) -> dict:
+    """The token store of a written parquet file, beside it (<name>.store/), through the data
+    stage the trainer runs (hpsft/data/preparation.py): a training job names it in
+    data.train_files and tokenizes nothing. The rows already fit --max-length, so the store's
+    options refuse a row over it rather than cut it."""
+    from hpsft.data.preparation import DEFAULT_SHARD_MB, LocalRunner, prepare as prepare_store
+
+    store_opts = dataclasses.replace(opts, truncation="error", bad_rows="error")
+    store_dir = path.with_suffix(".store")
+    store_dir.mkdir(exist_ok=True)
+    _, manifest = prepare_store(str(path), tokenizer, store_opts, store_dir.parent, LocalRunner(num_proc),
+                                shard_mb or DEFAULT_SHARD_MB, path.name, report=True, bar=sys.stderr.isatty(),
+                                store_dir=store_dir)
+    return {key: manifest[key] for key in ("rows", "sequences", "tokens", "supervised_tokens")}
 
 
 @exits_2_on_user_error
@@ -320,12 +391,19 @@ def main(argv=None) -> int:
     parser.add_argument("--val-fraction", type=float, default=None,
                         help="rows held out to val.parquet (default: 0 for input files, 0.05 packaged)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    parser.add_argument("--store", action="store_true",
+                        help="also tokenize the written files into token stores beside them (train.store/, "
+                             "val.store/) that data.train_files / data.val_files name: needs --tokenizer")
+    parser.add_argument("--num-proc", type=int, default=None,
+                        help="worker processes tokenizing (default: the cores this process may use)")
+    parser.add_argument("--shard-mb", type=float, default=None, help="input per store shard (default 16)")
     parser.add_argument("--sharegpt", type=int, default=0,
                         help="packaged corpora only: also take the first N packaged ShareGPT conversations")
     args = parser.parse_args(argv)
     if not args.inputs:
         given = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "max_length", "chat_template", "split",
-                                                             "dedupe") if getattr(args, name)]
+                                                             "dedupe", "store", "num_proc", "shard_mb")
+                 if getattr(args, name)]
         given += ["--truncation"] if args.truncation != "drop" else []
         if given:
             raise UserInputError(f"{', '.join(given)} go with input files; the packaged corpora take --out, "

@@ -2,6 +2,7 @@
 and hpsft prepare-model on Hugging Face folders: the report counts the rows written, the
 written data is what hpsft's loader reads, the written model is the source's."""
 
+import dataclasses
 import json
 import shutil
 from collections import Counter
@@ -265,3 +266,56 @@ def test_prepare_data_fits_long_conversations_by_turns(policy, tmp_path, capsys,
     if policy == "turns":  # each written row is the start of its conversation
         written = [row["messages"] for row in read_rows(out / "train.parquet")]
         assert all(any(c[:len(w)] == w for c in conversations) for w in written)
+
+
+def test_prepare_data_writes_the_store_a_training_job_reads_without_tokenizing(tmp_path, capsys, tokenizer,
+                                                                              model_path):
+    """prepare-data --truncation split --store over 2 worker processes (rows fitted and then
+    tokenized in parallel) on real ShareGPT rows: its report equals the one-process run's,
+    train.store/ holds exactly the sequences the trainer's data stage makes of train.parquet,
+    a training run naming the store prepares nothing, and the store refuses a run whose
+    data.max_length it exceeds or whose tokenizer differs. Catches: workers that reorder or
+    lose rows, a store written with other options than the rows it came from."""
+    from transformers import AutoTokenizer
+
+    from hpsft.assets.chat_corpora import sharegpt_conversations
+    from hpsft.data.rows import DataError
+    from tests.conftest import base_overrides, run_cli
+    from tests.test_spmd_training import assert_ok
+
+    source = write_jsonl([{"messages": c} for c in sharegpt_conversations(40)], tmp_path / "sharegpt.jsonl")
+    reports = []
+    for num_proc in ("1", "2"):
+        out = tmp_path / f"out{num_proc}"
+        assert prepare_data([source, "--out", str(out), "--tokenizer", model_path, "--max-length", "512",
+                             "--truncation", "split", "--num-proc", num_proc, "--shard-mb", "0.05"]
+                            + (["--store"] if num_proc == "2" else [])) == 0
+        report = json.loads((out / "report.json").read_text())
+        reports.append({k: v for k, v in report.items() if k not in ("written", "stores")})
+    assert reports[0] == reports[1]
+    store_dir = out / "train.store"
+    assert report["stores"][str(store_dir)]["sequences"] == report["written"][str(out / "train.parquet")]
+    opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+                           chat_template=None, max_length=512, truncation="error", bad_rows="error")
+    store = prepared_store(str(store_dir), tokenizer, opts, tmp_path / "unused")
+    trainers = prepared_store(str(out / "train.parquet"), tokenizer, opts, tmp_path / "tokenized")
+    assert len(store) == len(trainers) > 40
+    for i in range(len(store)):
+        assert torch.equal(store[i]["input_ids"], trainers[i]["input_ids"])
+        assert torch.equal(store[i]["loss_mask"], trainers[i]["loss_mask"])
+
+    run = tmp_path / "run"
+    proc = run_cli("hpsft.train", base_overrides(model_path, str(store_dir), None, run, **{
+        "data.max_length": 512, "data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 4,
+        "trainer.total_steps": 1, "trainer.export_hf": "false"}))
+    assert_ok(proc)
+    rows = report["stores"][str(store_dir)]["rows"]
+    assert "preparing data" not in proc.stdout, proc.stdout[-2000:]
+    assert f"hpsft: data train: {rows} rows -> {len(store)} sequences" in proc.stdout, proc.stdout[-2000:]
+    assert not (run.parent / "tokcache").exists()
+    with pytest.raises(DataError, match=r"holds sequences of up to \d+ tokens > data.max_length=256"):
+        prepared_store(str(store_dir), tokenizer, dataclasses.replace(opts, max_length=256), tmp_path / "unused")
+    other = AutoTokenizer.from_pretrained(model_path)
+    other.add_tokens(["<hpsft-extra>"])
+    with pytest.raises(DataError, match="was prepared with another tokenizer"):
+        prepared_store(str(store_dir), other, opts, tmp_path / "unused")

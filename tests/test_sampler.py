@@ -10,6 +10,7 @@ from torch.utils.data import DistributedSampler
 from hpsft.data.balance import sequence_costs, split_by_cost
 from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sources import SourcedDataset
+from tests.conftest import REPO
 
 
 def dataset_of_lengths(*sources: list[int]) -> SourcedDataset:
@@ -86,3 +87,34 @@ def test_attention_cost_counts_the_quadratic_term():
     """cost = L (1 + L / 6h): at L = 6h a sequence costs twice its tokens."""
     assert sequence_costs([10, 600], attention_hidden_size=100).tolist() == [10 * (1 + 10 / 600), 1200.0]
     assert sequence_costs([3, 4]).tolist() == [3.0, 4.0]
+
+
+SHAREGPT_LENGTHS = REPO / "tests" / "data" / "sharegpt_lengths_2048.npy"
+
+
+def test_steps_of_real_sharegpt_lengths_are_balanced_within_2_percent(tokenizer):
+    """The token lengths of the 11,126 packaged ShareGPT conversations (SmolLM2's template, cut
+    at 2048: tests/data/sharegpt_lengths_2048.npy, its first 40 recomputed here), in shuffled
+    global batches: dealt every n-th the busiest rank carries 1.2-1.5x the mean; split by cost
+    every step's busiest rank is within 2% of the mean at 8 ranks x 8 and 64 x 8 sequences.
+    Catches: a split that ignores lengths (planted: parts dealt every n-th position: 1.27x)."""
+    from hpsft.assets.chat_corpora import sharegpt_conversations
+    from hpsft.data.row_sequences import row_sequences
+    from tests.test_data_stage import options
+
+    lengths = np.load(SHAREGPT_LENGTHS).astype(np.int64)
+    assert lengths.size == 11126
+    recomputed = [len(ids) for c in sharegpt_conversations(40)
+                  for ids, _ in row_sequences({"messages": c}, tokenizer, options(max_length=2048)).sequences]
+    assert recomputed == lengths[:40].tolist()
+    order = np.random.default_rng(0).permutation(lengths.size)
+    for ranks, per_rank in ((8, 8), (64, 8)):
+        batch_size = ranks * per_rank
+        dealt, split = [], []
+        for step in range(lengths.size // batch_size):
+            batch = lengths[order[step * batch_size:(step + 1) * batch_size]]
+            dealt.append(max(batch[r::ranks].sum() for r in range(ranks)) / batch.mean() / per_rank)
+            loads = [batch[part].sum() for part in split_by_cost(batch, ranks)]
+            split.append(max(loads) / np.mean(loads))
+        assert np.mean(dealt) > 1.2, (ranks, np.mean(dealt))
+        assert max(split) <= 1.02, (ranks, max(split))

@@ -310,7 +310,7 @@ def summarize(identity: dict, key: str, plan: list[Shard], sidecars: list[dict])
         "tokens": sum(s["tokens"] for s in sidecars),
         "supervised_tokens": sum(s["supervised_tokens"] for s in sidecars),
         "counts": dict(sorted(counts.items())),
-        "shard_files": [{k: s[k] for k in ("sequences", "tokens", "supervised_tokens", "file_bytes")}
+        "shard_files": [{k: s[k] for k in ("sequences", "tokens", "supervised_tokens", "longest", "file_bytes")}
                         for s in sidecars],
     }
 
@@ -320,13 +320,67 @@ def open_store(store_dir: Path, manifest: dict) -> TokenStore:
     return TokenStore(files, manifest)
 
 
+def is_store(entry: str) -> bool:
+    """A folder holding a prepared store (hpsft prepare-data --store writes one)."""
+    return (Path(entry) / MANIFEST).is_file()
+
+
 def prepared_store(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner=None,
                    shard_mb: float = DEFAULT_SHARD_MB, name: str | None = None, report: bool = False,
                    bar: bool = False) -> TokenStore:
-    """The token store of one data source (an entry of data.train_files: a file, folder or
-    glob), prepared by `runner` (default: this process alone) unless already complete.
-    `report`: this process prints what is prepared (one rank does); `bar`: and a progress bar
-    on a terminal."""
+    """The token store of one data source: an entry of data.train_files naming a file, folder
+    or glob (prepared into data.cache_dir by `runner`, default this process alone, unless
+    already complete there), or a folder holding a store prepared before. `report`: this
+    process prints what is prepared and what the store holds (one rank does); `bar`: and a
+    progress bar on a terminal."""
+    name = name or Path(entry).name
+    if is_store(entry):
+        store_dir = Path(entry)
+        manifest = checked_manifest(store_dir, tokenizer, opts)
+        try:
+            store = open_store(store_dir, manifest)
+        except DamagedShard as err:
+            raise DataError(f"{err}: prepare the store again (hpsft prepare-data ... --store)") from None
+    else:
+        store_dir, manifest = prepare(entry, tokenizer, opts, cache_dir, runner, shard_mb, name, report, bar)
+        try:
+            store = open_store(store_dir, manifest)
+        except DamagedShard as err:  # prepared again, shard by shard
+            print(f"hpsft: {err}: preparing the damaged shards again", file=sys.stderr, flush=True)
+            store_dir, manifest = prepare(entry, tokenizer, opts, cache_dir, runner, shard_mb, name, report, bar,
+                                          check_shards=True)
+            store = open_store(store_dir, manifest)
+    if report:
+        print(f"hpsft: data {name}: {summary_text(manifest)} ({store_dir})", flush=True)
+    return store
+
+
+def checked_manifest(store_dir: Path, tokenizer, opts: TokenizeOptions) -> dict:
+    """A prepared store's manifest, if it fits this run: the same tokenizer (vocabulary, special
+    tokens, chat template) and no sequence over data.max_length."""
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    if manifest.get("format") != STORE_FORMAT:
+        raise DataError(f"{store_dir} is a token store of format {manifest.get('format')}, this hpsft reads "
+                        f"format {STORE_FORMAT}: prepare it again")
+    ours = tokenizer_identity(tokenizer)
+    differing = [key for key in ours if manifest["tokenizer"].get(key) != ours[key]]
+    if differing:
+        raise DataError(f"{store_dir} was prepared with another tokenizer ({', '.join(differing)} differ from "
+                        f"{tokenizer.name_or_path}'s): prepare it with this model's tokenizer, or train the model "
+                        "it was prepared for")
+    longest = max(held["longest"] for held in manifest["shard_files"])
+    if longest > opts.max_length:
+        raise DataError(f"{store_dir} holds sequences of up to {longest} tokens > data.max_length={opts.max_length}: "
+                        f"raise data.max_length, or prepare the store with --max-length {opts.max_length}")
+    return manifest
+
+
+def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner, shard_mb: float,
+            name: str, report: bool, bar: bool, check_shards: bool = False,
+            store_dir: Path | None = None) -> tuple[Path, dict]:
+    """The store folder of `entry` in cache_dir (or `store_dir`) and its manifest, after
+    preparing the shards not complete there. A complete store's shards are checked when it is
+    opened, or here with `check_shards`."""
     files = expand_entry(entry)
     if opts.chat_template is None and tokenizer.chat_template is None:
         raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no chat template: name one with "
@@ -334,16 +388,11 @@ def prepared_store(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str 
     shard_bytes = max(1, int(shard_mb * (1 << 20)))
     identity = store_identity(files, tokenizer, opts, shard_bytes)
     key = store_key(identity)
-    store_dir = Path(cache_dir) / key
+    store_dir = store_dir or Path(cache_dir) / key
     manifest = manifest_of(store_dir, key)
-    if manifest is not None:
-        try:
-            return open_store(store_dir, manifest)
-        except DamagedShard as err:  # prepared again below, shard by shard
-            print(f"hpsft: {err}: preparing the damaged shards again", file=sys.stderr, flush=True)
-            plan = [Shard(**shard) for shard in manifest["shards"]]
-    else:
-        plan = plan_shards(files, shard_bytes)
+    if manifest is not None and not check_shards:
+        return store_dir, manifest
+    plan = [Shard(**shard) for shard in manifest["shards"]] if manifest else plan_shards(files, shard_bytes)
     if not plan:
         raise DataError(f"no usable rows in {entry}: its files are empty")
     try:  # before tokenizing, which can take long
@@ -355,7 +404,6 @@ def prepared_store(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str 
     done = {job.index: completed_sidecar(job) for job in jobs}
     missing = [job for job in jobs if done[job.index] is None]
     if missing:
-        name = name or Path(entry).name
         if report:
             print(f"hpsft: preparing data {name}: {len(missing)} of {len(jobs)} shards to tokenize "
                   f"({len(jobs) - len(missing)} done before) into {store_dir}", flush=True)
@@ -376,6 +424,13 @@ def prepared_store(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str 
     manifest = summarize(identity, key, plan, [done[job.index] for job in jobs])
     if manifest["sequences"] == 0:
         raise DataError(f"no usable rows in {[str(f) for f in files]}")
-    if manifest_of(store_dir, key) is None:
-        write_json_atomically(store_dir / MANIFEST, manifest)
-    return open_store(store_dir, manifest)
+    write_json_atomically(store_dir / MANIFEST, manifest)
+    return store_dir, manifest
+
+
+def summary_text(manifest: dict) -> str:
+    """What a store holds and what the data stage did to get there, in one line."""
+    counts = ", ".join(f"{event} {n}" for event, n in manifest["counts"].items())
+    return (f"{manifest['rows']} rows -> {manifest['sequences']} sequences, {manifest['tokens']} tokens "
+            f"({manifest['supervised_tokens']} supervised), {manifest['skipped_rows']} rows skipped"
+            + (f"; {counts}" if counts else ""))

@@ -2,7 +2,8 @@
 parallel, caches and resumes one by one.
 
 An entry of data.train_files / data.val_files names a file, a folder (every .parquet,
-.jsonl and .json file under it, recursively, in path order; hidden files skipped) or a glob
+.jsonl and .json file under it, recursively, in path order; hidden files and token stores
+skipped) or a glob
 (`data/part-*.parquet`, `data/**/*.jsonl`). Each file is cut into shards of about
 `shard_bytes` bytes of input, read without holding the file in memory:
 - parquet: ranges of rows (rows per shard from the file's bytes per row), read by row group;
@@ -15,6 +16,7 @@ Every process computes the same plan from the files alone (no communication).
 
 import glob
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +46,7 @@ def expand_entry(entry: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_SUFFIXES
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(data_files_under(path))
         if not files:
             raise DataError(f"data folder {path} holds no .parquet, .jsonl or .json file")
         return files
@@ -59,6 +60,18 @@ def expand_entry(entry: str) -> list[Path]:
                             ".jsonl or .json)")
         return files
     raise DataError(f"data file {path} does not exist")
+
+
+def data_files_under(folder: Path):
+    """The data files under `folder`, skipping hidden files and folders and token stores (a
+    data.cache_dir inside the data folder holds JSON sidecars that are no data)."""
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if any(name.startswith("shard-") and name.endswith(".arrow") for name in names):
+            continue
+        dirs[:] = [d for d in dirs if not (Path(root) / d / "store.json").is_file()]
+        yield from (Path(root) / name for name in names
+                    if not name.startswith(".") and Path(name).suffix.lower() in DATA_SUFFIXES)
 
 
 def is_json_array(path: Path) -> bool:

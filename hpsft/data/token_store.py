@@ -60,7 +60,7 @@ class ShardWriter:
         self.masks: list[np.ndarray] = []
         self.rows: list[int] = []
         self.buffered = 0
-        self.sequences = self.tokens = self.supervised = 0
+        self.sequences = self.tokens = self.supervised = self.longest = 0
 
     def add(self, input_ids: list[int], loss_mask: list[int], row: int) -> None:
         self.ids.append(np.asarray(input_ids, dtype=np.int32))
@@ -85,6 +85,7 @@ class ShardWriter:
         self.writer.write_batch(batch)
         self.sequences += len(self.rows)
         self.tokens += int(offsets[-1])
+        self.longest = max(self.longest, int(lengths.max()))
         self.supervised += int(mask_values.sum(dtype=np.int64))
         self.ids, self.masks, self.rows, self.buffered = [], [], [], 0
 
@@ -100,7 +101,7 @@ class ShardWriter:
             self.abort()
             raise
         return {"sequences": self.sequences, "tokens": self.tokens, "supervised_tokens": self.supervised,
-                "file_bytes": self.path.stat().st_size}
+                "longest": self.longest, "file_bytes": self.path.stat().st_size}
 
     def abort(self) -> None:
         self.tmp.unlink(missing_ok=True)

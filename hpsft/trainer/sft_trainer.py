@@ -54,7 +54,8 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = False, bar: bool = False) -> SourcedDataset:
+def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = False,
+                  bar: bool = False) -> SourcedDataset:
     """One dataset per source (DataSource), seen as one. Built-in: each source's token store,
     prepared by `runner` where it is not complete yet (hpsft/data/preparation.py); `report`:
     this process prints what is prepared, with a progress bar if `bar`. A custom class
