@@ -234,3 +234,13 @@ def test_options_hpsft_cannot_train_exactly_are_refused_by_name(config, attn_imp
     model = AutoModelForCausalLM.from_config(config(), attn_implementation="eager")
     with pytest.raises(UnsupportedModel, match=message):
         check_supported(model, attn_implementation)
+
+
+def test_a_window_as_wide_as_the_positions_never_binds_and_is_not_checked():
+    """Phi-3-mini-128k's window (262144) is wider than its positions (131072): the start-up
+    check would otherwise run a 262208-token eager forward. Catches the width check dropped."""
+    from hpsft.models.families import longest_sliding_window
+
+    assert longest_sliding_window(transformers.Phi3Config(sliding_window=262144, max_position_embeddings=131072)) == 0
+    assert longest_sliding_window(transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768)) == 4096
+    assert longest_sliding_window(transformers.LlamaConfig()) == 0
