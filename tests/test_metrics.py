@@ -11,7 +11,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from tests.conftest import base_overrides, read_metrics, run_cli
+from tests.conftest import base_overrides, read_metrics, run_cli, write_parquet
 
 Z_LOSS_WEIGHT, LABEL_SMOOTHING = 1e-3, 0.1
 RTOL = 1e-5  # hpsft's fp32 sums against the fp64 reference
@@ -40,17 +40,18 @@ def independent_terms(model_dir: Path, files: list[str]) -> dict:
     return {name: value / n_tokens for name, value in sums.items()}
 
 
-def test_each_loss_term_equals_its_formula_and_val_loss_is_the_plain_nll(tmp_path, model_path, tiny_data):
-    """Step 1 trains on all 16 conversations at the untrained weights: its train/loss,
+def test_each_loss_term_equals_its_formula_and_val_loss_is_the_plain_nll(tmp_path, model_path, chat_rows):
+    """Step 1 trains on all 8 conversations at the untrained weights: its train/loss,
     train/z_loss and train/objective equal the NLL, the z-loss and the smoothed cross-entropy
     + z-loss of the model's own logits (independent_terms); val/loss is the plain NLL of the
     untrained (step 0) and the exported trained model. Planted: z_loss_weight and
     label_smoothing swapped where PackedCausalLM hands them to the loss op: failed on
     train/z_loss (100 x the formula's)."""
-    train, val = tiny_data
+    train = write_parquet([{"messages": c} for c in chat_rows[:8]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:24]], tmp_path / "val.parquet")
     out_dir = tmp_path / "run"
     result = run_cli("hpsft.train", base_overrides(model_path, train, val, out_dir, **{
-        "trainer.total_steps": 1, "data.train_batch_size": 16, "loss.z_loss_weight": Z_LOSS_WEIGHT,
+        "trainer.total_steps": 1, "data.train_batch_size": 8, "loss.z_loss_weight": Z_LOSS_WEIGHT,
         "loss.label_smoothing": LABEL_SMOOTHING, "trainer.val_before_train": "true"}))
     assert result.returncode == 0, result.stderr[-3000:]
     before, step = read_metrics(out_dir)
