@@ -13,12 +13,6 @@ EXAMPLE = REPO / "examples" / "custom_dataset.py"
 BROKEN = REPO / "tests" / "data" / "malformed" / "broken_dataset.py"
 
 
-def sizes_dataset(sizes):
-    from hpsft.data.sources import SourcedDataset
-
-    return SourcedDataset([list(range(n)) for n in sizes], [f"s{i}" for i in range(len(sizes))], 8, "lists")
-
-
 def test_weights_3_to_1_give_a_binomial_ratio_and_each_source_is_drawn_without_replacement():
     """400 draws from two sources of 200 weighted 3:1: the first source's count is
     Binomial(400, 3/4) (mean 300, sigma sqrt(400 * 3/4 * 1/4) = 8.66), within 4 sigma; each
@@ -36,32 +30,6 @@ def test_weights_3_to_1_give_a_binomial_ratio_and_each_source_is_drawn_without_r
     # Fixed by (seed, epoch): the same again, another epoch another order.
     assert torch.equal(order, mixture_order([200, 200], [3.0, 1.0], seed=42, epoch=0, shuffle=True))
     assert not torch.equal(order, mixture_order([200, 200], [3.0, 1.0], seed=42, epoch=1, shuffle=True))
-
-
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_a_resumed_mixture_continues_the_same_sample_sequence(dp):
-    """Stopped after any whole number of steps and resumed with `dp` ranks, the steps that
-    follow hold exactly the samples, in the same order, that the straight 1-rank run trains on."""
-    from torch.utils.data import BatchSampler
-
-    from hpsft.data.sampler import training_sampler
-
-    dataset, batch, weights = sizes_dataset([30, 11]), 4, [3.0, 1.0]
-
-    def steps_from(ranks: int, epoch: int, position: int) -> list[list[int]]:
-        per_rank = []
-        for rank in range(ranks):
-            sampler = training_sampler(dataset, weights, ranks, rank, shuffle=True, seed=9)
-            sampler.set_position(epoch, position)
-            per_rank.append(list(BatchSampler(sampler, batch // ranks, drop_last=True)))
-        # A step's global batch: rank r holds its r-th, (r+n)-th, ... samples.
-        return [[step[j % ranks][j // ranks] for j in range(batch)] for step in zip(*per_rank)]
-
-    for epoch in (0, 1):
-        straight = steps_from(1, epoch, 0)
-        assert len(straight) == 41 // batch
-        for done in (0, 3, 7, 10):
-            assert steps_from(dp, epoch, done * batch) == straight[done:], (epoch, done)
 
 
 def test_the_example_class_passes_the_check_and_a_broken_one_is_refused_by_name():
@@ -163,7 +131,7 @@ def test_per_dataset_sums_add_up_element_wise_over_ranks():
 
     def rank_out(nll, tokens):
         return {**{key: 1.0 for key in SUMMED_OVER_RANKS}, "source_nll_sums": nll, "source_loss_tokens": tokens,
-                "grad_norm": 0.5, "lr": 1e-3, "micro_batches": 2}
+                "grad_norm": 0.5, "lr": 1e-3, "micro_batches": 2, "rss_anon_bytes": 7}
 
     total = combine_ranks([rank_out([1.5, 0.0], [3, 0]), rank_out([2.0, 4.0], [1, 2])])
     assert total["source_nll_sums"] == [3.5, 4.0] and total["source_loss_tokens"] == [4, 2]

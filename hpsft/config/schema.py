@@ -164,7 +164,13 @@ class DataConfig:
     tools_key: str = "tools"  # optional per-row tool schemas passed to the chat template
     chat_template: Optional[str] = None  # Jinja text or a .jinja file path, overriding the tokenizer's
     max_length: int = 1024
-    truncation: str = "error"  # error | left | right
+    # A row longer than max_length: error | left | right (cut tokens) | turns (its leading whole
+    # turns) | split (several sequences cut at turn boundaries); docs/data.md "Long conversations".
+    truncation: str = "error"
+    # auto | whole | per_turn: one sequence per conversation, or one per assistant turn as the
+    # template writes it when that turn is generated (auto: per turn when the template rewrites
+    # past turns); docs/data.md "Templates that rewrite history".
+    multiturn: str = "auto"
     bad_rows: str = "error"  # error | skip (skipped rows are counted and reported)
     train_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
@@ -172,11 +178,21 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     cache_dir: str = ".cache/tokenized"
+    # Worker processes tokenizing on each rank (hpsft/data/preparation.py); None: the cores this
+    # process may use divided among the ranks of its node.
+    num_proc: Optional[int] = None
+    shard_mb: float = 16.0  # input per shard, the unit tokenized in parallel, cached and resumed
+    # How each step's global batch is split over data-parallel ranks: equal tokens, or equal
+    # tokens plus attention's quadratic term (long sequences weigh more; hpsft/data/balance.py).
+    balance: str = "tokens"  # tokens | attention
 
     def __post_init__(self):
-        check_choice("data", "truncation", self.truncation, {"error", "left", "right"})
+        check_choice("data", "truncation", self.truncation, {"error", "left", "right", "turns", "split"})
+        check_choice("data", "multiturn", self.multiturn, {"auto", "whole", "per_turn"})
         check_choice("data", "bad_rows", self.bad_rows, {"error", "skip"})
-        for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch"):
+        check_choice("data", "balance", self.balance, {"tokens", "attention"})
+        for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch",
+                     "num_proc", "shard_mb"):
             check_positive("data", name, getattr(self, name))
         check_positive("data", "num_workers", self.num_workers, allow_zero=True)
         if not self.train_files:
