@@ -67,7 +67,7 @@ def peft_reference_steps(model_path: str, train: str, steps: int) -> list[dict]:
         for ids, labels, n in examples:
             term = model(input_ids=ids, labels=labels, use_cache=False).loss * n / step_tokens
             term.backward()
-            loss += float(term)
+            loss += float(term.detach())
         norm = float(torch.sqrt(sum(p.grad.double().square().sum() for _, p in adapters)))
         if norm + 1e-6 > optim.grad_clip:
             for _, p in adapters:
