@@ -5,6 +5,7 @@ Builder sequence as in verl: config -> tokenizer and datasets -> worker (model +
 normalisation inputs, logging and checkpoint timing; it never imports Ray.
 """
 
+import functools
 import random
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from hpsft.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
 from hpsft.trainer.failure_hook import fail, failing_step
 from hpsft.trainer.fingerprint import differences, run_fingerprint
-from hpsft.trainer.nonfinite import SkippedSteps, nan_gradient_loss, nan_gradient_steps
+from hpsft.trainer.nonfinite import SkippedSteps, nonfinite_gradient_loss, nonfinite_gradient_steps
 from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
 from hpsft.workers import TrainingWorker
@@ -118,7 +119,7 @@ class SFTTrainer:
 
         self.worker = self.build_worker()
         self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
-        self.nan_gradient_steps = nan_gradient_steps()  # a test hook: empty in real runs
+        self.nonfinite_gradient_steps = nonfinite_gradient_steps()  # a test hook: empty in real runs
         self.failing_step = failing_step(self.rank)  # a test hook: None in real runs
 
         # Everything that can fail on bad input has run: only now does the run directory appear
@@ -379,9 +380,10 @@ class SFTTrainer:
     def train_step(self, batch) -> dict:
         if self.global_step + 1 == self.failing_step:
             fail(self.rank, self.failing_step)
-        if self.global_step + 1 not in self.nan_gradient_steps:
+        poison = self.nonfinite_gradient_steps.get(self.global_step + 1)
+        if poison is None:
             return self.worker.train_batch(batch)
-        self.worker.set_loss_fn(nan_gradient_loss)  # the test hook of hpsft/trainer/nonfinite.py
+        self.worker.set_loss_fn(functools.partial(nonfinite_gradient_loss, poison))  # hpsft/trainer/nonfinite.py
         try:
             return self.worker.train_batch(batch)
         finally:
