@@ -12,6 +12,10 @@ row and vocabulary blocks, so it never holds the logits or an fp64 weight): the 
 d(hidden) rows of 8 sampled supervised tokens and the d(weight) rows of 8 sampled
 vocabulary entries (4 of them labels). A method that disagrees is reported, not timed.
 
+--account: no timing; the peak extra memory the GPU run would measure, from the byte
+accounting (hpsft/ops/byte_accounting.py: the CUDA path's allocations replayed on meta
+tensors), for hpsft and for Liger-Kernel's algorithm at the same shapes, in seconds on CPU.
+
 --device cuda: bf16 inputs (what a GPU trainer feeds the LM head), time between
 torch.cuda.synchronize() calls, peak extra = torch.cuda.max_memory_allocated() after
 reset_peak_memory_stats() minus memory_allocated() before the measured runs. Adds rows for
@@ -21,6 +25,7 @@ GEMMs, logits, d(hidden) and d(weight), of 2*N*H*V each) with its fraction of --
 
     .venv/bin/python benchmarks/bench_varlen_ce.py            # the table in docs/ops.md
     .venv/bin/python benchmarks/bench_varlen_ce.py --quick    # small shapes, seconds
+    .venv/bin/python benchmarks/bench_varlen_ce.py --account  # GPU memory, counted on CPU
     python benchmarks/bench_varlen_ce.py --device cuda        # GPU table (scripts/gpu_checks.sh)
 """
 
@@ -268,11 +273,16 @@ def main():
                         help="cuda: bf16 inputs, GPU timing and memory, a Liger row, TFLOP/s")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="bf16 dense peak for the %% of peak column (989: H100/H200 SXM)")
+    parser.add_argument("--account", action="store_true",
+                        help="accounted GPU peak extra memory (bf16) of hpsft and Liger, no timing")
     parser.add_argument("--child", nargs=5, metavar=("METHOD", "H", "V", "TOKENS", "FRACTION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         method, h, v, tokens, fraction = args.child
         print(json.dumps(run_one(method, int(h), int(v), int(tokens), float(fraction), args.repeats, args.device)))
+        return
+    if args.account:
+        account_main(args)
         return
     if args.device == "cuda":
         gpu_main(args)
@@ -305,6 +315,30 @@ def main():
                 )
             print(f"{name} | {result['time_s']:.2f} | {result['cpu_s']:.2f} | {result['peak_extra_mib']:.0f} | {ratios} |", flush=True)
     print(f"load average after the run: {open('/proc/loadavg').read().split()[:3]}")
+
+
+# The accounted hpsft rows: default settings, and the other chunk cap the GPU run measured.
+ACCOUNTED_HPSFT = {"hpsft": {"chunk_rows": 4096}, "hpsft, chunk_rows=2048": {"chunk_rows": 2048}}
+
+
+def account_main(args):
+    """Accounted peak extra MiB of one bf16 fwd+bwd (reduction sum) on CUDA: hpsft's rows and
+    Liger's, per shape, and their ratio."""
+    from hpsft.ops.byte_accounting import account_hpsft, account_liger
+
+    print("accounted on CPU (meta tensors, hpsft/ops/byte_accounting.py): peak extra MiB of one bf16 fwd+bwd, "
+          "reduction sum, what bench_varlen_ce.py --device cuda measures")
+    header = "| H | V | tokens | supervised | method | peak extra MiB | memory / Liger | largest buffers at the peak (MiB) |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    cases = [(int(h), int(v), int(t), f) for h, v, t, f in args.case] if args.case else GPU_CASES
+    for h, v, tokens, fraction in cases:
+        liger = account_liger(tokens, h, v, torch.bfloat16, supervised_fraction=fraction)
+        rows = {name: account_hpsft(tokens, h, v, torch.bfloat16, supervised_fraction=fraction, **options)
+                for name, options in ACCOUNTED_HPSFT.items()}
+        for name, accounted in {**rows, "Liger-Kernel (its algorithm, accounted)": liger}.items():
+            print(f"| {h} | {v} | {tokens} | {fraction:.2f} | {name} | {accounted.peak_mib:.0f} "
+                  f"| {accounted.peak_bytes / liger.peak_bytes:.2f} | {accounted.describe(4)} |", flush=True)
 
 
 def gpu_main(args):

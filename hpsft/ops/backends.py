@@ -5,6 +5,10 @@ on first use), else torch. fp64 runs on cpp (CPU) or torch only. An explicitly r
 backend that cannot run raises and says why. There is one GPU row kernel, Triton's: a CUDA
 one existed, was never faster on paper (same two sweeps per row) and never ran, while
 Triton's is checked on CPU by its interpreter (docs/ops.md).
+
+Meta tensors (shapes and dtypes, no data) take the CUDA path: the byte accounting
+(byte_accounting.py) replays a GPU step's allocations on them, so every choice the CUDA path
+makes from the device is made the same way for meta.
 """
 
 import os
@@ -14,6 +18,11 @@ import torch
 from hpsft.ops.row_options import RowKernel
 
 BACKENDS = ("auto", "cpp", "triton", "torch")
+
+
+def runs_cuda_path(device: torch.device) -> bool:
+    """CUDA tensors, or meta tensors standing in for them."""
+    return device.type in ("cuda", "meta")
 
 
 def _load(name: str, device: torch.device, dtype: torch.dtype) -> tuple[RowKernel | None, str]:
@@ -31,7 +40,7 @@ def _load(name: str, device: torch.device, dtype: torch.dtype) -> tuple[RowKerne
     if dtype == torch.float64:
         return None, f"the {name} kernel computes in fp32; use backend='cpp' or 'torch' for fp64"
     if name == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if not runs_cuda_path(device) and os.environ.get("TRITON_INTERPRET") != "1":
             return None, f"Triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before import) for {device} tensors"
         try:
             from hpsft.ops.row_kernel_triton import load_triton_row_kernel
@@ -49,7 +58,7 @@ def select_row_kernel(requested: str, device: torch.device, dtype: torch.dtype) 
         if kernel is None:
             raise RuntimeError(f"backend={requested!r} cannot run: {reason}")
         return requested, kernel
-    native = ("triton",) if device.type == "cuda" else ("cpp",)
+    native = ("triton",) if runs_cuda_path(device) else ("cpp",)
     for name in (*native, "torch"):  # torch always loads
         kernel, _ = _load(name, device, dtype)
         if kernel is not None:

@@ -31,6 +31,7 @@ import functools
 
 import torch
 
+from hpsft.ops.backends import runs_cuda_path
 from hpsft.ops.row_options import RowKernel, RowOptions
 
 # CPU: one (rows, V) block of 128 MiB (682 rows at V=49152 fp32), small next to materialised
@@ -86,7 +87,7 @@ def gemm_dtypes_for(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.d
 
 def gemm_dtype_for(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The operand dtype of the three GEMMs by default: tensor cores on CUDA for 16-bit inputs."""
-    return gemm_dtypes_for(hidden, weight)[-1] if hidden.is_cuda else compute_dtype_for(hidden.dtype)
+    return gemm_dtypes_for(hidden, weight)[-1] if runs_cuda_path(hidden.device) else compute_dtype_for(hidden.dtype)
 
 
 def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
@@ -107,7 +108,7 @@ def _gemm(a, b, out, add=None, beta=1):
     """out = beta * add + a @ b (add may be out itself) with out's dtype for the result, which
     may be wider than the operands': CUDA does that in one GEMM (fp32 accumulation); elsewhere
     the operands are upcast first, which computes the same exact products and fp32 sums."""
-    if a.dtype != out.dtype and not a.is_cuda:
+    if a.dtype != out.dtype and a.device.type == "cpu":
         a, b = a.to(out.dtype), b.to(out.dtype)
     mixed = {"out_dtype": out.dtype} if a.dtype != out.dtype else {}
     if add is None:

@@ -89,7 +89,7 @@ def triton_rows_forward_(block, labels, row_scale, options: RowOptions, compute_
         raise ValueError(f"the Triton row kernel takes fp32 blocks with contiguous rows, got {block.dtype}")
     rows, vocab = block.shape
     loss, zloss, logprob = (torch.empty(rows, dtype=block.dtype, device=block.device) for _ in range(3))
-    if rows:
+    if rows and block.device.type != "meta":  # meta tensors hold no data: the launch has nothing to do
         _cross_entropy_rows_kernel[(rows,)](
             block, block.stride(0), labels.contiguous(), row_scale.contiguous(), loss, zloss, logprob,
             vocab, options.softcap or 1.0, options.label_smoothing, options.z_loss_weight,

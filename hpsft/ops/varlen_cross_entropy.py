@@ -141,6 +141,21 @@ def varlen_linear_cross_entropy(
     hidden, offsets = _values_and_offsets(hidden, offsets, "hidden")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be (T, H) and weight (V, H) with the same H, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    targets = _supervised_positions(hidden.shape[0], weight.shape[0], input_ids, loss_mask, labels, ignore_index, offsets)
+    return linear_cross_entropy_of_targets(
+        hidden, weight, bias, targets, reduction=reduction, denominator=denominator, label_smoothing=label_smoothing,
+        z_loss_weight=z_loss_weight, softcap=softcap, return_logprobs=return_logprobs, backend=backend,
+        chunk_rows=chunk_rows, gemm_dtype=gemm_dtype,
+    )
+
+
+def linear_cross_entropy_of_targets(
+    hidden, weight, bias, targets: varlen_targets.SupervisedPositions, *, reduction, denominator, label_smoothing,
+    z_loss_weight, softcap, return_logprobs, backend, chunk_rows, gemm_dtype,
+) -> VarlenCEOutput:
+    """varlen_linear_cross_entropy once the supervised rows are known (hidden a plain (T, H)
+    tensor). Nothing here reads a value back from the device, so it also runs on meta tensors:
+    the byte accounting (byte_accounting.py) replays the CUDA path's allocations through it."""
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},) to match weight, got {tuple(bias.shape)}")
     if not (hidden.is_floating_point() and weight.is_floating_point()):
@@ -152,7 +167,6 @@ def varlen_linear_cross_entropy(
     gemm_dtype = _gemm_dtype(gemm_dtype, hidden, weight)
     options = _options(label_smoothing, z_loss_weight, softcap)
     total_tokens = hidden.shape[0]
-    targets = _supervised_positions(total_tokens, weight.shape[0], input_ids, loss_mask, labels, ignore_index, offsets)
     dtype = compute_dtype_for(hidden.dtype)
     backend_name, row_kernel = select_row_kernel(backend, hidden.device, dtype)
     row_scale = _row_scale(reduction, denominator, targets, dtype, hidden.device)
