@@ -41,7 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hpsft.ops.fused_linear_ce import default_chunk_rows
+from hpsft.ops.chunk_rows import cpu_chunk_rows
 
 METHODS = {
     "hpsft": "hpsft varlen_linear_cross_entropy (backend auto)",
@@ -57,8 +57,11 @@ QUICK_CASES = [(64, 4096, 512, 1.0), (64, 4096, 512, 1 / 3)]
 # GPU-only methods (the CPU table keeps the three above).
 GPU_METHODS = {
     "liger": "Liger-Kernel LigerFusedLinearCrossEntropyLoss",
-    # Half the default GPU chunk cap: the time/memory trade-off of GPU_MAX_CHUNK_ROWS, in one run.
-    "hpsft_2048": "hpsft varlen_linear_cross_entropy, chunk_rows=2048",
+    # d(weight) summed into an fp32 (V, H) buffer that exists before the step, as the engine's
+    # fp32 gradient does under bf16 ZeRO-0/1 (the trainer's path there): its own chunk rule.
+    "hpsft_engine": "hpsft varlen_linear_cross_entropy, d(weight) into an fp32 buffer",
+    # The chunk cap of the design before (4096 rows): how much time the memory budget costs.
+    "hpsft_4096": "hpsft varlen_linear_cross_entropy, chunk_rows=4096",
 }
 # GPU targets: hpsft fwd+bwd >= 60 % of bf16 dense peak, and extra memory <= Liger's, at N=8192
 # and 32768, H=4096, V=128256 (issue 12). Measured on an H200: docs/gpu_results.md.
@@ -95,13 +98,16 @@ def make_inputs(hidden_size, vocab_size, tokens, supervised_fraction, seq_len=51
     return (hidden, weight, *(t.to(device) for t in (input_ids, offsets, loss_mask, labels)))
 
 
-def loss_fn(method, hidden, weight, input_ids, offsets, loss_mask, labels):
+def loss_fn(method, hidden, weight, input_ids, offsets, loss_mask, labels, weight_grad_buffer=None):
     if method.startswith("hpsft"):
         from hpsft.ops import varlen_linear_cross_entropy
 
-        chunk_rows = 2048 if method == "hpsft_2048" else None
+        # grad_scale=1: the upstream gradient loss.backward() sends. As in the trainer, which
+        # passes its step's scale, the gradients are finished in forward and backward has no
+        # pass over them (Liger skips its scaling pass when the upstream gradient is 1).
+        chunk_rows = 4096 if method == "hpsft_4096" else None
         out = varlen_linear_cross_entropy(hidden, weight, input_ids=input_ids, offsets=offsets, loss_mask=loss_mask,
-                                          chunk_rows=chunk_rows)
+                                          chunk_rows=chunk_rows, grad_scale=1.0, grad_weight_into=weight_grad_buffer)
         return out.loss, out.backend
     if method == "materialised":
         # .float(): the usual Hugging Face loss upcasts bf16 logits (a no-op on fp32 CPU inputs).
@@ -114,7 +120,7 @@ def loss_fn(method, hidden, weight, input_ids, offsets, loss_mask, labels):
     # CPU: the same rows per chunk as hpsft (LinearCrossEntropyOptions() ("auto") measured 10-20x
     # slower than materialised logits on this CPU at 1024 tokens); GPU: torch's own choice.
     on_cpu = hidden.device.type == "cpu"
-    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=default_chunk_rows(weight.shape[0], torch.float32)) if on_cpu else None
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=cpu_chunk_rows(weight.shape[0], 4)) if on_cpu else None
     return F.linear_cross_entropy(hidden, weight, labels, reduction="sum", ignore_index=-100, options=options), "torch"
 
 
@@ -197,9 +203,13 @@ def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats, device="
     # GPU work is asynchronous: the clock is read between synchronisations (on CPU: no-op).
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
+    # The engine's fp32 gradient of the weight: there before the step, zeroed by the engine
+    # after each optimizer step (here: before each measured one, outside the clock).
+    buffer = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if method == "hpsft_engine" else None
+
     def step():
         hidden.grad = weight.grad = None
-        loss, backend = loss_fn(method, *inputs)
+        loss, backend = loss_fn(method, *inputs, weight_grad_buffer=buffer)
         loss.backward()
         return loss.item(), backend
 
@@ -215,6 +225,8 @@ def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats, device="
         before = rss_kib("VmRSS")
     wall, cpu = [], []
     for _ in range(repeats):
+        if buffer is not None:
+            buffer.zero_()
         sync()
         start_wall, start_cpu = time.perf_counter(), time.process_time()
         step()
@@ -226,7 +238,8 @@ def run_one(method, hidden_size, vocab_size, tokens, fraction, repeats, device="
     else:
         peak_extra_mib = (rss_kib("VmHWM") - before) / 1024
     return {
-        "check": probe(loss, hidden.grad, weight.grad, inputs[5]),  # gradients of the last measured step
+        # gradients of the last measured step
+        "check": probe(loss, hidden.grad, weight.grad if buffer is None else buffer, inputs[5]),
         "time_s": statistics.median(wall),
         "cpu_s": statistics.median(cpu),  # all threads; less sensitive than wall time to other load
         "peak_extra_mib": peak_extra_mib,
@@ -275,6 +288,7 @@ def main():
                         help="bf16 dense peak for the %% of peak column (989: H100/H200 SXM)")
     parser.add_argument("--account", action="store_true",
                         help="accounted GPU peak extra memory (bf16) of hpsft and Liger, no timing")
+    parser.add_argument("--grid", action="store_true", help="with --account: the N x H x V table of docs/ops.md")
     parser.add_argument("--child", nargs=5, metavar=("METHOD", "H", "V", "TOKENS", "FRACTION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -306,7 +320,7 @@ def main():
             if "error" in result:
                 print(f"{prefix} | failed: {result['error']} | | | | | |")
                 continue
-            name = f"{prefix} [{result['backend']}]" if method == "hpsft" else prefix
+            name = f"{prefix} [{result['backend']}]" if method.startswith("hpsft") else prefix
             ratios = " | |"
             if "error" not in base:
                 ratios = " | ".join(
@@ -317,17 +331,35 @@ def main():
     print(f"load average after the run: {open('/proc/loadavg').read().split()[:3]}")
 
 
-# The accounted hpsft rows: default settings, and the other chunk cap the GPU run measured.
-ACCOUNTED_HPSFT = {"hpsft": {"chunk_rows": 4096}, "hpsft, chunk_rows=2048": {"chunk_rows": 2048}}
+# The accounted hpsft rows, as the GPU table's: what each method passes.
+ACCOUNTED_HPSFT = {"hpsft": {"grad_scale": 1.0}, "hpsft, d(weight) into an fp32 buffer": {"weight_grad_in_engine": True},
+                   "hpsft, chunk_rows=4096": {"grad_scale": 1.0, "chunk_rows": 4096}}
+ACCOUNT_GRID = [(h, v, tokens, 1.0) for h in (2048, 4096, 8192) for v in (32000, 128256, 256000)
+                for tokens in (2048, 8192, 32768, 131072)]
 
 
 def account_main(args):
     """Accounted peak extra MiB of one bf16 fwd+bwd (reduction sum) on CUDA: hpsft's rows and
-    Liger's, per shape, and their ratio."""
+    Liger's, per shape, and their ratio; --grid: the N x H x V table of docs/ops.md."""
     from hpsft.ops.byte_accounting import account_hpsft, account_liger
+    from hpsft.ops.chunk_rows import cuda_chunk_rows
 
     print("accounted on CPU (meta tensors, hpsft/ops/byte_accounting.py): peak extra MiB of one bf16 fwd+bwd, "
           "reduction sum, what bench_varlen_ce.py --device cuda measures")
+    if args.grid:
+        header = ("| H | V | tokens | Liger MiB | hpsft MiB | / Liger | rows | hpsft, d(weight) into the engine's buffer "
+                  "MiB | / Liger | rows |")
+        print(header)
+        print("|---" * (header.count("|") - 1) + "|")
+        for h, v, tokens, _ in ACCOUNT_GRID:
+            liger = account_liger(tokens, h, v, torch.bfloat16)
+            cells = []
+            for into_engine in (False, True):
+                accounted = account_hpsft(tokens, h, v, torch.bfloat16, weight_grad_in_engine=into_engine)
+                rows = cuda_chunk_rows(tokens, tokens - tokens // 512, h, v, 2, into_engine)
+                cells.append(f"{accounted.peak_mib:.0f} | {accounted.peak_bytes / liger.peak_bytes:.2f} | {rows}")
+            print(f"| {h} | {v} | {tokens} | {liger.peak_mib:.0f} | {' | '.join(cells)} |", flush=True)
+        return
     header = "| H | V | tokens | supervised | method | peak extra MiB | memory / Liger | largest buffers at the peak (MiB) |"
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
@@ -341,8 +373,26 @@ def account_main(args):
                   f"| {accounted.peak_bytes / liger.peak_bytes:.2f} | {accounted.describe(4)} |", flush=True)
 
 
+# The accounting of each GPU row (hpsft/ops/byte_accounting.py), printed beside the measurement.
+ACCOUNTED_GPU_METHODS = {"hpsft": {"grad_scale": 1.0}, "hpsft_engine": {"weight_grad_in_engine": True},
+                         "hpsft_4096": {"grad_scale": 1.0, "chunk_rows": 4096}}
+ACCOUNTING_RTOL = 0.02  # measured vs accounted peak extra memory
+
+
+def accounted_mib(method, h, v, tokens, fraction):
+    from hpsft.ops.byte_accounting import account_hpsft, account_liger
+
+    if method == "liger":
+        return account_liger(tokens, h, v, torch.bfloat16, supervised_fraction=fraction).peak_mib
+    if method in ACCOUNTED_GPU_METHODS:
+        return account_hpsft(tokens, h, v, torch.bfloat16, supervised_fraction=fraction,
+                             **ACCOUNTED_GPU_METHODS[method]).peak_mib
+    return None
+
+
 def gpu_main(args):
-    """The GPU table: like the CPU one, plus TFLOP/s (6*N*H*V FLOPs, N supervised tokens)."""
+    """The GPU table: like the CPU one, plus TFLOP/s (6*N*H*V FLOPs, N supervised tokens), time
+    and memory against Liger's, and the byte accounting's figure for the same row."""
     if not torch.cuda.is_available():
         sys.exit("--device cuda: torch.cuda.is_available() is False")
     has_liger = importlib.util.find_spec("liger_kernel") is not None
@@ -351,15 +401,15 @@ def gpu_main(args):
           f"median of {args.repeats}; peak {args.peak_tflops:g} TFLOP/s (--peak-tflops)")
     print("F.linear_cross_entropy: " + ("present" if has_torch_linear_ce else "absent in this torch"))
     print("Liger-Kernel: " + ("installed" if has_liger else "not installed"))
-    header = ("| H | V | tokens | supervised | method | time ms | peak extra MiB | TFLOP/s | of peak "
-              "| time / materialised | memory / materialised | memory / Liger |")
+    header = ("| H | V | tokens | supervised | method | time ms | peak extra MiB | accounted MiB | measured / accounted "
+              "| TFLOP/s | of peak | time / materialised | time / Liger | memory / Liger |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     methods = {**METHODS, **GPU_METHODS}
     missing = {"torch_linear_ce": None if has_torch_linear_ce else "absent in this torch",
                "liger": None if has_liger else "not installed (pip install liger-kernel)"}
     cases = [(int(h), int(v), int(t), f) for h, v, t, f in args.case] if args.case else QUICK_CASES if args.quick else GPU_CASES
-    targets = {}
+    verdicts = []
     for case in cases:
         h, v, tokens, fraction = case
         results = checked_results(methods, case, args.repeats, "cuda", missing)
@@ -367,23 +417,31 @@ def gpu_main(args):
         for method, result in results.items():
             prefix = f"| {h} | {v} | {tokens} | {fraction:.2f} | {methods[method]}"
             if "error" in result:
-                print(f"{prefix} | {result['error']} | | | | | | |")
+                print(f"{prefix} | {result['error']} |" + " |" * 12)
                 continue
             name = f"{prefix} [{result['backend']}]" if method.startswith("hpsft") else prefix
             tflops = 6 * result["n_supervised"] * h * v / result["time_s"] / 1e12  # three GEMMs of 2NHV
             of_peak = tflops / args.peak_tflops
-            ratios = " | "
-            if "error" not in base:
-                ratios = f"{result['time_s'] / base['time_s']:.2f} | {result['peak_extra_mib'] / max(base['peak_extra_mib'], 1e-9):.3f}"
+            accounted = accounted_mib(method, h, v, tokens, fraction)
+            agreement = "" if accounted is None else f"{result['peak_extra_mib'] / accounted:.3f}"
+            if accounted is not None and abs(result["peak_extra_mib"] / accounted - 1) > ACCOUNTING_RTOL:
+                verdicts.append(f"accounting NOT confirmed for {method} at N={tokens}: measured "
+                                f"{result['peak_extra_mib']:.0f} MiB, accounted {accounted:.0f} (tolerance {ACCOUNTING_RTOL:.0%})")
+            time_vs_base = "" if "error" in base else f"{result['time_s'] / base['time_s']:.2f}"
+            time_vs_liger = "" if "error" in liger else f"{result['time_s'] / liger['time_s']:.2f}"
             memory_vs_liger = "" if "error" in liger else f"{result['peak_extra_mib'] / max(liger['peak_extra_mib'], 1e-9):.2f}"
-            print(f"{name} | {result['time_s'] * 1e3:.1f} | {result['peak_extra_mib']:.0f} | {tflops:.0f} | {of_peak:.0%} | {ratios} "
-                  f"| {memory_vs_liger} |", flush=True)
-            if method == "hpsft" and case in TARGET_CASES:
-                targets[case] = (of_peak, memory_vs_liger)
-    for (h, v, tokens, _), (of_peak, memory_vs_liger) in targets.items():
-        verdict = "met" if of_peak >= TARGET_FRACTION_OF_PEAK else "NOT met"
-        print(f"target: hpsft fwd+bwd >= {TARGET_FRACTION_OF_PEAK:.0%} of peak at N={tokens}, H={h}, V={v}: {of_peak:.0%} -> "
-              f"{verdict}; extra memory / Liger's: {memory_vs_liger or 'no Liger row'} (target <= 1)")
+            print(f"{name} | {result['time_s'] * 1e3:.1f} | {result['peak_extra_mib']:.0f} | "
+                  f"{'' if accounted is None else f'{accounted:.0f}'} | {agreement} | {tflops:.0f} | {of_peak:.0%} | "
+                  f"{time_vs_base} | {time_vs_liger} | {memory_vs_liger} |", flush=True)
+            if method in ("hpsft", "hpsft_engine") and case in TARGET_CASES:
+                verdicts.append(
+                    f"target {method} at N={tokens}, H={h}, V={v}: {of_peak:.0%} of peak (>= {TARGET_FRACTION_OF_PEAK:.0%}: "
+                    f"{'met' if of_peak >= TARGET_FRACTION_OF_PEAK else 'NOT met'}); time / Liger's {time_vs_liger or '-'} "
+                    f"(<= 1); extra memory / Liger's {memory_vs_liger or '-'} (<= 1; d(weight) into the buffer: <= 0.25)")
+    for verdict in verdicts:
+        print(verdict)
+    if any(verdict.startswith("accounting NOT") for verdict in verdicts):
+        sys.exit(3)
 
 
 if __name__ == "__main__":

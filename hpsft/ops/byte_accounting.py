@@ -75,14 +75,19 @@ def _meta_inputs(tokens, hidden_size, vocab_size, dtype):
 
 
 def account_hpsft(tokens, hidden_size, vocab_size, dtype=torch.bfloat16, *, seq_len=512, supervised_fraction=1.0,
-                  **loss_options) -> Accounted:
+                  weight_grad_in_engine=False, **loss_options) -> Accounted:
     """hpsft's varlen_linear_cross_entropy (reduction sum unless loss_options say otherwise),
-    fwd + bwd w.r.t. hidden and weight, as on CUDA."""
+    fwd + bwd w.r.t. hidden and weight, as on CUDA. weight_grad_in_engine: d(weight) is summed
+    into an fp32 (V, H) gradient the engine holds (allocated before the step, like the
+    inputs), with grad_scale=1 (what a reduction-sum loss's backward sends)."""
     input_ids, offsets, loss_mask, _ = packed_supervision(tokens, seq_len, supervised_fraction)
     targets = varlen_targets.from_input_ids(input_ids, loss_mask, offsets, tokens, vocab_size)
     hidden, weight = _meta_inputs(tokens, hidden_size, vocab_size, dtype)
     options = {"reduction": "sum", "denominator": None, "label_smoothing": 0.0, "z_loss_weight": 0.0, "softcap": None,
                "return_logprobs": False, "backend": "auto", "chunk_rows": None, "gemm_dtype": None, **loss_options}
+    if weight_grad_in_engine:
+        engine_grad = torch.zeros(vocab_size, hidden_size, dtype=torch.float32, device="meta")
+        options |= {"grad_scale": 1.0, "grad_weight_into": engine_grad}
     with LiveBytes() as count:
         on_device = varlen_targets.SupervisedPositions(
             *(t.to("meta") for t in (targets.positions, targets.labels, targets.sequence_ids)), targets.num_sequences)

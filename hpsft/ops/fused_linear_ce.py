@@ -1,55 +1,54 @@
 """Fused linear + cross-entropy over the supervised rows, chunked over tokens.
 
-Host side shared by every backend: for each chunk of rows it computes the logit block with
-one GEMM (bias fused), hands it to the backend's row kernel (softmax, loss and d(logits)
-in place, see row_options) and turns the block into d(hidden), d(weight), d(bias) with two
-more GEMMs. Only one (rows, V) block exists at a time, so full logits are never
-materialised, and the three GEMMs are the same work the unfused path does.
+Host side shared by every backend: for each chunk of supervised rows it gathers their hidden
+states, computes the logit block with one GEMM (bias fused), hands it to the backend's row
+kernel (softmax, loss and d(logits) in place, see row_options) and turns the block into
+d(hidden) rows, d(weight), d(bias) with two more GEMMs. Only one (rows, V) block exists at a
+time, so full logits are never materialised, and the three GEMMs are the same work the
+unfused path does. How many rows a chunk has: chunk_rows.py.
 
 Two GEMM precisions (gemm_dtype_for picks one):
   - compute dtype (fp32; fp64 for fp64 inputs): operands upcast, the CPU design. bf16
     weights are copied to fp32 once per call; on CPU that costs less than the GEMMs gain.
+    d(weight) is summed in the compute dtype and rounded to the weight's once at the end.
   - the inputs' own bf16/fp16 on CUDA: tensor-core GEMMs that read the weight as it is (no
-    fp32 copy) and accumulate and write fp32 (mm/addmm's out_dtype): logit blocks are fp32
-    for the row kernel, d(weight) is summed over chunks in one fp32 buffer. d(logits) is
-    rounded to the input dtype before its two GEMMs (tensor cores read 16-bit operands);
-    that rounding is this design's only extra error (relative 2^-9 per element in bf16).
-    d(bias) sums the fp32 block. On CPU the same arithmetic runs with the operands upcast per
-    GEMM (products of 16-bit values are exact in fp32), which is how the tests check it.
+    fp32 copy) and accumulate in fp32. The logit block is fp32 for the row kernel, which
+    writes d(logits) rounded to 16 bits over the first half of each row's own storage (one
+    block, no second buffer); d(hidden) rows and d(weight) come out of their GEMMs in the
+    inputs' dtype: d(weight) summed chunk by chunk in one 16-bit (V, H) accumulator (the
+    gradient handed back; one rounding per chunk, as Liger-Kernel does), or, when the engine
+    lends its fp32 gradient of the weight (grad_weight_into), summed in fp32 straight into it.
+    d(bias) sums the 16-bit d(logits) in fp32. On CPU the same arithmetic runs with the
+    operands upcast wherever the output is fp32 (products of 16-bit values are exact in fp32),
+    which is how the tests check it.
 
 No host synchronisation in the chunk loop: every size is known from shapes.
 
-For a reduced loss the gradients are finished in the forward pass and backward only scales
-them, in place, by the upstream scalar. For reduction "none" the upstream gradient differs
-per row and d(weight) sums over rows, so backward recomputes the blocks with the upstream
-gradient as the row scale (one extra forward's worth of work, no (N, V) storage); so does a
-second backward through a retained graph. Under torch.no_grad() (or when no input requires
-grad) only the logit GEMMs and the loss part of the row kernel run.
+For a reduced loss the gradients are finished in the forward pass, in their final dtypes,
+and backward multiplies them in place by the upstream gradient. With grad_scale (the
+upstream gradient the caller will send, e.g. 1 / the step's tokens) they are computed
+already multiplied by it (it is part of every row's scale): backward then touches nothing
+and checks on the device, without waiting for it, that the upstream gradient was that;
+d(weight) summed into the engine's buffer needs this (it cannot be scaled afterwards). For
+reduction "none" the upstream gradient differs per row and d(weight) sums over rows, so
+backward recomputes the blocks with the upstream gradient as the row scale (one extra
+forward's worth of work, no (N, V) storage); so does a second backward through a retained
+graph. Under torch.no_grad() (or when no input requires grad) only the logit GEMMs and the
+loss part of the row kernel run.
 """
 
 import functools
 
 import torch
 
+from hpsft.ops import chunk_rows as chunking
 from hpsft.ops.backends import runs_cuda_path
 from hpsft.ops.row_options import RowKernel, RowOptions
 
-# CPU: one (rows, V) block of 128 MiB (682 rows at V=49152 fp32), small next to materialised
-# logits, but at least CPU_MIN_CHUNK_ROWS rows: each chunk's d(weight) GEMM reads and writes
-# the whole (V, H) fp32 accumulator, traffic per FLOP that falls as 1 / rows whatever V and H
-# are. At H=4096, V=128256, 2048 tokens (fp32, 2 threads, fwd+bwd): 261 rows (128 MiB)
-# 57.8 s, 1024 rows 42.5 s, 2048 rows 39-44 s, materialised logits 46.1 s (docs/performance.md).
-LOGIT_BLOCK_BYTES = 128 * 2**20
-CPU_MIN_CHUNK_ROWS = 1024
-# GPU: the blocks (fp32 logits + 16-bit d(logits)) take at most this share of the free memory,
-# and at most GPU_MAX_CHUNK_ROWS rows. Each chunk's d(weight) GEMM reads and writes the fp32
-# (V, H) accumulator, so fewer rows per chunk cost time: on the lent H200 (H=4096, V=128256,
-# bench_varlen_ce.py, docs/gpu_results.md) 4096 rows took 44.4/169 ms at N=8k/32k with 5.1/5.6
-# GiB extra, 2048 rows 45.9/177 ms with 3.6/4.2 GiB. The faster cap is kept: 4096 rows at
-# V=128256 are 3 GiB of blocks; pass chunk_rows to trade ~4% time for 1.5 GiB.
-GPU_BLOCK_SHARE_OF_FREE_MEMORY = 0.25
-GPU_MAX_CHUNK_ROWS = 4096
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# |upstream gradient / grad_scale - 1| allowed: the caller's fp32 arithmetic for the same
+# number (e.g. (loss / tokens) * dp's backward) may round it differently by an ulp or two.
+GRAD_SCALE_RTOL = 1e-6
 
 
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -90,18 +89,11 @@ def gemm_dtype_for(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return gemm_dtypes_for(hidden, weight)[-1] if runs_cuda_path(hidden.device) else compute_dtype_for(hidden.dtype)
 
 
-def default_chunk_rows(vocab_size: int, dtype: torch.dtype) -> int:
-    """CPU: rows of a LOGIT_BLOCK_BYTES block of `dtype`, at least CPU_MIN_CHUNK_ROWS."""
-    return max(CPU_MIN_CHUNK_ROWS, LOGIT_BLOCK_BYTES // (vocab_size * dtype.itemsize))
-
-
-def gpu_chunk_rows(vocab_size: int, bytes_per_logit: int, device: torch.device) -> int:
-    """GPU: as many rows as GPU_BLOCK_SHARE_OF_FREE_MEMORY allows, at most GPU_MAX_CHUNK_ROWS.
-    cudaMemGetInfo does not wait for the stream; memory torch caches but does not use counts as
-    taken, which errs on the small side."""
-    free_bytes, _ = torch.cuda.mem_get_info(device)
-    rows = int(free_bytes * GPU_BLOCK_SHARE_OF_FREE_MEMORY) // (vocab_size * bytes_per_logit)
-    return max(1, min(GPU_MAX_CHUNK_ROWS, rows))
+def default_chunk_rows(tokens, n_rows, hidden_size, vocab_size, dtype, device, weight_grad_in_engine=False) -> int:
+    """chunk_rows.py's choice for this device and these inputs' dtype."""
+    if runs_cuda_path(device):
+        return chunking.cuda_chunk_rows(tokens, n_rows, hidden_size, vocab_size, dtype.itemsize, weight_grad_in_engine)
+    return chunking.cpu_chunk_rows(vocab_size, compute_dtype_for(dtype).itemsize)
 
 
 def _gemm(a, b, out, add=None, beta=1):
@@ -117,105 +109,132 @@ def _gemm(a, b, out, add=None, beta=1):
 
 
 def chunked_linear_cross_entropy(
-    x, weight, bias, labels, row_scale, options: RowOptions, row_kernel: RowKernel, chunk_rows, need_grads, gemm_dtype
+    hidden, positions, weight, bias, labels, row_scale, options: RowOptions, row_kernel: RowKernel, chunk_rows, need_grads,
+    gemm_dtype, grad_weight_into=None,
 ):
-    """Per-row (loss, zloss, logprob) and the row_scale-weighted gradients (None where not needed).
-
-    Gradients are in the compute dtype (fp32, or fp64 for fp64 inputs); gemm_dtype is either the
-    compute dtype or the inputs' 16-bit dtype (module docstring)."""
+    """Per-row (loss, zloss, logprob) of the rows `positions` of hidden, and the row_scale-weighted
+    gradients (None where not needed): d(hidden) (T, H) in hidden's dtype, d(weight) in the
+    weight's dtype (None when summed into grad_weight_into, an fp32 (V, H) tensor), d(bias) in
+    the bias's. gemm_dtype is either the compute dtype or the inputs' 16-bit dtype (module
+    docstring)."""
     need_x, need_w, need_b = need_grads
     need_any = any(need_grads)
-    dtype = compute_dtype_for(x.dtype)
+    dtype = compute_dtype_for(hidden.dtype)
     low_precision = gemm_dtype != dtype
     w = weight.to(gemm_dtype)  # no copy when the weight already has the GEMM dtype
     b = bias.to(dtype) if bias is not None else None
-    n_rows, hidden_size = x.shape
-    vocab_size = w.shape[0]
+    n_rows, (total_tokens, hidden_size), vocab_size = positions.numel(), hidden.shape, w.shape[0]
+    device = hidden.device
+    into_engine = need_w and grad_weight_into is not None
     if not chunk_rows:
-        bytes_per_logit = dtype.itemsize + (gemm_dtype.itemsize if low_precision and need_any else 0)
-        chunk_rows = gpu_chunk_rows(vocab_size, bytes_per_logit, x.device) if x.is_cuda else default_chunk_rows(vocab_size, dtype)
-    outputs = [torch.empty(n_rows, dtype=dtype, device=x.device) for _ in range(3)]
-    grad_x = torch.empty(n_rows, hidden_size, dtype=dtype, device=x.device) if need_x else None
-    # The first chunk's GEMM overwrites d(weight) (beta=0), saving a memset of (V, H); with no
-    # rows at all there is no GEMM and the gradient is zero.
+        chunk_rows = default_chunk_rows(total_tokens, n_rows, hidden_size, vocab_size, hidden.dtype, device, into_engine)
+    outputs = [torch.empty(n_rows, dtype=dtype, device=device) for _ in range(3)]
+    grad_x = torch.zeros_like(hidden) if need_x else None
+    # d(weight): the 16-bit design sums it in the weight's dtype (the gradient handed back),
+    # the fp32 design in fp32, rounded once at the end. The first chunk's GEMM overwrites it
+    # (beta=0), saving a memset of (V, H); with no rows at all there is no GEMM and it is zero.
+    weight_grad_dtype = weight.dtype if low_precision else dtype
     allocate_w = torch.empty if n_rows else torch.zeros
-    grad_w = allocate_w(vocab_size, hidden_size, dtype=dtype, device=x.device) if need_w else None
-    grad_b = torch.zeros(vocab_size, dtype=dtype, device=x.device) if need_b else None
+    grad_w = None
+    if need_w:
+        grad_w = grad_weight_into if into_engine else allocate_w(vocab_size, hidden_size, dtype=weight_grad_dtype, device=device)
+    grad_b = torch.zeros(vocab_size, dtype=dtype, device=device) if need_b else None
     block_rows = min(chunk_rows, n_rows)
-    block_buffer = torch.empty(block_rows, vocab_size, dtype=dtype, device=x.device)
-    # d(logits) in the GEMM dtype for the two gradient GEMMs (tensor cores read 16-bit operands).
-    low_buffer = torch.empty(block_rows, vocab_size, dtype=gemm_dtype, device=x.device) if low_precision and (need_x or need_w) else None
+    block_buffer = torch.empty(block_rows, vocab_size, dtype=dtype, device=device)
+    # The chunk's hidden rows, gathered (one buffer for every chunk: a new tensor per chunk
+    # would hold two chunks' rows while the next one is gathered).
+    rows_buffer = torch.empty(block_rows, hidden_size, dtype=hidden.dtype, device=device)
+    # d(hidden) rows of a chunk, before they are put at their positions (tensor cores: 16-bit).
+    grad_x_rows = torch.empty(block_rows, hidden_size, dtype=gemm_dtype, device=device) if need_x else None
     for start in range(0, n_rows, chunk_rows):
         stop = min(start + chunk_rows, n_rows)
-        xs = x[start:stop].to(gemm_dtype)
+        rows = positions[start:stop]
+        xs = torch.index_select(hidden, 0, rows, out=rows_buffer[: stop - start]).to(gemm_dtype)
         block = block_buffer[: stop - start]
         _gemm(xs, w.t(), block, add=b)
-        for out, value in zip(outputs, row_kernel(block, labels[start:stop], row_scale[start:stop], options, need_any)):
+        # The 16-bit design's d(logits): the first half of each fp32 row's own storage.
+        grad_out = block.view(gemm_dtype)[:, :vocab_size] if low_precision and need_any else None
+        losses = row_kernel(block, labels[start:stop], row_scale[start:stop], options, need_any, grad_out)
+        for out, value in zip(outputs, losses):
             out[start:stop] = value
         if not need_any:
             continue
-        grad_block = low_buffer[: stop - start].copy_(block) if low_buffer is not None else block
+        grad_block = block if grad_out is None else grad_out
         if need_x:
-            _gemm(grad_block, w, grad_x[start:stop])
+            grad_x.index_copy_(0, rows, _gemm(grad_block, w, grad_x_rows[: stop - start]).to(hidden.dtype))
         if need_w:
-            _gemm(grad_block.t(), xs, grad_w, add=grad_w, beta=0 if start == 0 else 1)
+            _gemm(grad_block.t(), xs, grad_w, add=grad_w, beta=0 if start == 0 and not into_engine else 1)
         if need_b:
-            grad_b += block.sum(dim=0)
+            grad_b += grad_block.sum(dim=0, dtype=dtype)
+    if into_engine:
+        grad_w = None
+    elif grad_w is not None:
+        grad_w = grad_w.to(weight.dtype)  # the fp32 design with 16-bit weights: its one rounding
+    if grad_b is not None:
+        grad_b = grad_b.to(bias.dtype)
     return (*outputs, grad_x, grad_w, grad_b)
 
 
-def _rows_to_tokens(grad_rows, positions, total_tokens):
-    # index_copy, not index_add (what index_select's backward uses): positions are unique, and
-    # index_add on CPU is orders of magnitude slower in torch 2.13.
-    grad = grad_rows.new_zeros(total_tokens, grad_rows.shape[1])
-    return grad.index_copy_(0, positions, grad_rows)
+def check_upstream_gradient(grad_loss: torch.Tensor, grad_scale: float) -> None:
+    """Fail when backward's upstream gradient is not the grad_scale the gradients were made
+    with; on CUDA an asynchronous device assertion (no wait for the device), on CPU at once."""
+    mismatch = (grad_loss.float() / grad_scale - 1).abs() > GRAD_SCALE_RTOL
+    torch._assert_async(~mismatch, f"hpsft: the fused loss was given grad_scale={grad_scale!r}, and backward received "
+                                   "another upstream gradient: its gradients were made for grad_scale")
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """(hidden, weight, bias) -> (loss, zloss rows, logprob rows) over the rows `positions` of hidden.
 
-    loss is sum_i row_scale_i * loss_i when reduce, else the per-row losses. grad_enabled:
-    torch.is_grad_enabled() at the call; inside forward it is always False, and
-    ctx.needs_input_grad says True under torch.no_grad() for inputs that require grad.
+    loss is sum_i row_scale_i * loss_i when reduce, else the per-row losses. grad_scale: None,
+    or the upstream gradient backward will receive (reduce only).
+    grad_weight_into: None, or an fp32 (V, H) tensor d(weight) is added into (then no
+    gradient is returned for weight). grad_enabled: torch.is_grad_enabled() at the call;
+    inside forward it is always False, and ctx.needs_input_grad says True under
+    torch.no_grad() for inputs that require grad.
     """
 
     @staticmethod
     def forward(
-        ctx, hidden, positions, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows, gemm_dtype, grad_enabled
+        ctx, hidden, positions, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows, gemm_dtype,
+        grad_scale, grad_weight_into, grad_enabled,
     ):
         ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.gemm_dtype = options, row_kernel, chunk_rows, gemm_dtype
-        ctx.total_tokens = hidden.shape[0]
-        ctx.grad_dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.grad_scale = grad_scale
         ctx.needs_grad = tuple(grad_enabled and needed for needed in (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]))
-        x = hidden.index_select(0, positions)
+        # With grad_scale the gradients are made for grad_scale x loss: it scales every row's d(logits).
+        gradient_row_scale = row_scale if grad_scale is None else row_scale * grad_scale
         loss, zloss, logprob, *grads = chunked_linear_cross_entropy(
-            x, weight, bias, labels, row_scale, options, row_kernel, chunk_rows, ctx.needs_grad if reduce else (False,) * 3,
-            gemm_dtype,
+            hidden, positions, weight, bias, labels, gradient_row_scale, options, row_kernel, chunk_rows,
+            ctx.needs_grad if reduce else (False,) * 3, gemm_dtype, grad_weight_into,
         )
         # Finished gradients for the first backward; not saved tensors, so that backward can
         # scale them in place and hand them over (a copy of d(weight) would double the peak
         # memory for large vocabularies).
         ctx.precomputed_grads = grads if reduce else None
-        ctx.save_for_backward(positions, x, weight, bias, labels, row_scale)
+        # hidden, not its gathered rows: an input costs nothing to keep; only reduction "none"
+        # (and a second backward) reads it again.
+        ctx.save_for_backward(hidden, positions, weight, bias, labels, row_scale)
         ctx.mark_non_differentiable(zloss, logprob)
         return ((loss * row_scale).sum() if reduce else loss), zloss, logprob
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_zloss, _grad_logprob):
-        positions, x, weight, bias, labels, row_scale = ctx.saved_tensors
+        hidden, positions, weight, bias, labels, row_scale = ctx.saved_tensors
         if ctx.precomputed_grads is not None:
             grads, ctx.precomputed_grads = ctx.precomputed_grads, None
-            grads = [None if g is None else g.mul_(grad_loss) for g in grads]
+            if ctx.grad_scale is None:
+                grads = [None if g is None else g.mul_(grad_loss) for g in grads]
+            else:
+                check_upstream_gradient(grad_loss, ctx.grad_scale)
         else:
             # Reduction "none" (a different upstream gradient per row, while d(weight) sums over
             # rows), or a second backward through a retained graph: recompute the blocks.
             scale = row_scale * grad_loss.to(row_scale.dtype)
             grads = chunked_linear_cross_entropy(
-                x, weight, bias, labels, scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.needs_grad, ctx.gemm_dtype
+                hidden, positions, weight, bias, labels, scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.needs_grad,
+                ctx.gemm_dtype,
             )[3:]
-        grads = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.grad_dtypes)]
-        if grads[0] is not None:
-            grads[0] = _rows_to_tokens(grads[0], positions, ctx.total_tokens)
         grad_hidden, grad_weight, grad_bias = grads
-        return grad_hidden, None, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_hidden, None, grad_weight, grad_bias, *(None,) * 10

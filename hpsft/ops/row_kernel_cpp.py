@@ -4,7 +4,7 @@ import functools
 
 from hpsft.ops import native_build
 from hpsft.ops.native_extensions import load_extension, native_rows_forward_
-from hpsft.ops.row_options import RowOptions
+from hpsft.ops.row_options import RowOptions, round_into
 
 
 @functools.cache
@@ -18,8 +18,11 @@ def _extension():
     )
 
 
-def cpp_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
-    return native_rows_forward_(_extension()[0], block, labels, row_scale, options, compute_grad)
+def cpp_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool, grad_out=None):
+    losses = native_rows_forward_(_extension()[0], block, labels, row_scale, options, compute_grad)
+    if compute_grad:
+        round_into(block, grad_out)
+    return losses
 
 
 def load_cpp_row_kernel():

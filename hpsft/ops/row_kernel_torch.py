@@ -2,10 +2,10 @@
 
 import torch
 
-from hpsft.ops.row_options import RowOptions
+from hpsft.ops.row_options import RowOptions, round_into
 
 
-def torch_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
+def torch_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool, grad_out=None):
     cap, eps, lam = options.softcap, options.label_smoothing, options.z_loss_weight
     if cap > 0:
         block.div_(cap).tanh_().mul_(cap)
@@ -32,4 +32,5 @@ def torch_rows_forward_(block, labels, row_scale, options: RowOptions, compute_g
         if cap_slope is not None:
             block.mul_(cap_slope)
         block.mul_(row_scale[:, None])
+        round_into(block, grad_out)
     return loss, zloss, logprob

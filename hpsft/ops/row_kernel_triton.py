@@ -4,6 +4,13 @@ soft-capping the first sweep stores z' over the logits: the target logit is kept
 registers rather than read back, and a barrier orders the stores before the second sweep
 (a program's elements are spread over its threads, and nothing else orders their memory).
 
+With a 16-bit `grad_out`, d(logits) is rounded to it instead, and it may be the first half of
+each row's own fp32 storage (`block.view(bf16)[:, :V]`, row stride 2V): element j of the row
+then lands on bytes 2j..2j+1, inside fp32 element j/2. The gradient sweep reads a tile, waits
+at a barrier until every thread of the program has read it, then writes: a tile's writes fall
+on its own first half or on earlier tiles, both already read, so no value is overwritten
+before it is read, and the GEMMs that follow read the 16-bit values with no second buffer.
+
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1, which Triton reads when
 @triton.jit decorates: set it before this module is first imported. The interpreter has no
 libdevice, so tanh is built from exp.
@@ -26,12 +33,13 @@ def _tanh(x):
 
 @triton.jit
 def _cross_entropy_rows_kernel(
-    logits_ptr, row_stride, labels_ptr, scale_ptr, loss_ptr, zloss_ptr, logprob_ptr,
+    logits_ptr, row_stride, grad_ptr, grad_row_stride, labels_ptr, scale_ptr, loss_ptr, zloss_ptr, logprob_ptr,
     vocab, softcap, label_smoothing, z_loss_weight,
-    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, GRAD_OVER_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
     label = tl.load(labels_ptr + row)
     running_max = float("-inf")
     running_sum = 0.0
@@ -77,23 +85,30 @@ def _cross_entropy_rows_kernel(
             cols = start + tl.arange(0, BLOCK_V)
             in_vocab = cols < vocab
             z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+            if GRAD_OVER_LOGITS:
+                tl.debug_barrier()  # the whole tile is read before any 16-bit write overlaps it
             grad = tl.exp(z - lse) * p_factor - tl.where(z > float("-inf"), uniform, 0.0)
             grad -= tl.where(cols == label, (1.0 - label_smoothing) * scale, 0.0)
             if HAS_SOFTCAP:
                 grad = grad * (1.0 - (z / softcap) * (z / softcap))
-            tl.store(row_ptr + cols, grad, mask=in_vocab)
+            tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
 
 
-def triton_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool):
+def triton_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool, grad_out=None):
     if block.dtype != torch.float32 or block.stride(1) != 1:
         raise ValueError(f"the Triton row kernel takes fp32 blocks with contiguous rows, got {block.dtype}")
+    grad = block if grad_out is None else grad_out
+    if grad.shape != block.shape or grad.stride(1) != 1:
+        raise ValueError(f"grad_out must be {tuple(block.shape)} with contiguous rows, got {tuple(grad.shape)}")
     rows, vocab = block.shape
     loss, zloss, logprob = (torch.empty(rows, dtype=block.dtype, device=block.device) for _ in range(3))
     if rows and block.device.type != "meta":  # meta tensors hold no data: the launch has nothing to do
         _cross_entropy_rows_kernel[(rows,)](
-            block, block.stride(0), labels.contiguous(), row_scale.contiguous(), loss, zloss, logprob,
-            vocab, options.softcap or 1.0, options.label_smoothing, options.z_loss_weight,
-            HAS_SOFTCAP=options.softcap > 0, COMPUTE_GRAD=compute_grad, BLOCK_V=BLOCK_V,
+            block, block.stride(0), grad, grad.stride(0), labels.contiguous(), row_scale.contiguous(), loss, zloss,
+            logprob, vocab, options.softcap or 1.0, options.label_smoothing, options.z_loss_weight,
+            HAS_SOFTCAP=options.softcap > 0, COMPUTE_GRAD=compute_grad,
+            GRAD_OVER_LOGITS=grad_out is not None,  # the host driver's grad_out shares the block's storage
+            BLOCK_V=BLOCK_V,
         )
     return loss, zloss, logprob
 

@@ -9,6 +9,11 @@ contiguous) and, in place and per row i with label y and scale s_i:
 and, when asked for the gradient, overwrites the block with
     s_i * d loss_i / d z_ij = s_i * (p_j (1 + 2 lam lse) - (1 - eps) [j == y] - eps / V) * dz'/dz
 where p = softmax(z') and dz'/dz = 1 - (z'/softcap)^2. It returns (loss, zloss, logprob), each (R,).
+
+With grad_out (a 16-bit (R, V) tensor; the host driver passes the first half of each row's
+own fp32 storage, block.view(bf16)[:, :V]) the gradient is written there instead, rounded
+once to its dtype, and the block's fp32 values are not needed afterwards. Kernels that only
+write fp32 do so over the block and then round it into grad_out (round_into).
 """
 
 from dataclasses import dataclass
@@ -32,5 +37,13 @@ class RowOptions:
             raise ValueError(f"softcap must be > 0 (or None to disable), got {self.softcap}")
 
 
-# (block, labels, row_scale, options, compute_grad) -> (loss, zloss, logprob)
-RowKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RowOptions, bool], tuple]
+# (block, labels, row_scale, options, compute_grad, grad_out=None) -> (loss, zloss, logprob)
+RowKernel = Callable[..., tuple]
+
+
+def round_into(block: torch.Tensor, grad_out: torch.Tensor | None) -> None:
+    """grad_out = block rounded to grad_out's dtype, for a kernel that wrote fp32 d(logits) over
+    the block. grad_out may overlap the block's storage: the rounded copy is made first (a
+    temporary of grad_out's size; the CPU kernels' price, the Triton kernel writes it directly)."""
+    if grad_out is not None:
+        grad_out.copy_(block.to(grad_out.dtype))

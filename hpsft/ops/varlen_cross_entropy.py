@@ -128,15 +128,23 @@ def varlen_linear_cross_entropy(
     backend="auto",
     chunk_rows=None,
     gemm_dtype=None,
+    grad_scale=None,
+    grad_weight_into=None,
 ) -> VarlenCEOutput:
     """Cross-entropy of softcap(hidden @ weight.T + bias) without materialising the logits.
 
     hidden (T, H) or nested jagged; weight (V, H); bias (V,) or None. chunk_rows: rows per
-    logit block (default: a 128 MiB block on CPU, at least 1024 rows; on CUDA from free memory,
-    at most 4096).
+    logit block (default: chunk_rows.py; a 128 MiB block on CPU, at least 1024 rows; on CUDA
+    sized so the op's extra memory stays within Liger-Kernel's at the same shape).
     gemm_dtype: operand dtype of the three GEMMs, None for the default (the inputs' bf16/fp16
     on CUDA, tensor cores with fp32 accumulation; fp32 elsewhere), else fp32 or the inputs'
     16-bit dtype (see fused_linear_ce). Differentiable w.r.t. hidden, weight and bias.
+    grad_scale (reduced losses): the gradient backward will receive for `loss`, e.g.
+    1 / the optimizer step's loss tokens when the caller divides by that: the gradients are
+    made already multiplied by it, backward has no pass over them, and it fails (without
+    waiting for the device) if the upstream gradient is another. grad_weight_into (needs
+    grad_scale): an fp32 (V, H) tensor, e.g. the engine's fp32 gradient of the weight, into
+    which d(weight) is added instead of being returned (no (V, H) buffer of the op's own).
     """
     hidden, offsets = _values_and_offsets(hidden, offsets, "hidden")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -145,13 +153,31 @@ def varlen_linear_cross_entropy(
     return linear_cross_entropy_of_targets(
         hidden, weight, bias, targets, reduction=reduction, denominator=denominator, label_smoothing=label_smoothing,
         z_loss_weight=z_loss_weight, softcap=softcap, return_logprobs=return_logprobs, backend=backend,
-        chunk_rows=chunk_rows, gemm_dtype=gemm_dtype,
+        chunk_rows=chunk_rows, gemm_dtype=gemm_dtype, grad_scale=grad_scale, grad_weight_into=grad_weight_into,
     )
+
+
+def _check_gradient_destination(grad_scale, grad_weight_into, weight, reduction):
+    if grad_scale is None and grad_weight_into is None:
+        return
+    if reduction == "none":
+        raise ValueError("grad_scale and grad_weight_into apply to a reduced loss ('sum', 'mean', 'seq_mean'), not 'none'")
+    if grad_scale is not None and not (isinstance(grad_scale, (int, float)) and grad_scale > 0):
+        raise ValueError(f"grad_scale must be a positive number, got {grad_scale!r}")
+    if grad_weight_into is None:
+        return
+    if grad_scale is None:
+        raise ValueError("grad_weight_into needs grad_scale: d(weight) is added into it already scaled")
+    if (grad_weight_into.shape != weight.shape or grad_weight_into.dtype != torch.float32
+            or grad_weight_into.device != weight.device or not grad_weight_into.is_contiguous()):
+        raise ValueError(f"grad_weight_into must be a contiguous float32 tensor of the weight's shape {tuple(weight.shape)} "
+                         f"on {weight.device}, got {grad_weight_into.dtype} {tuple(grad_weight_into.shape)} on "
+                         f"{grad_weight_into.device}")
 
 
 def linear_cross_entropy_of_targets(
     hidden, weight, bias, targets: varlen_targets.SupervisedPositions, *, reduction, denominator, label_smoothing,
-    z_loss_weight, softcap, return_logprobs, backend, chunk_rows, gemm_dtype,
+    z_loss_weight, softcap, return_logprobs, backend, chunk_rows, gemm_dtype, grad_scale=None, grad_weight_into=None,
 ) -> VarlenCEOutput:
     """varlen_linear_cross_entropy once the supervised rows are known (hidden a plain (T, H)
     tensor). Nothing here reads a value back from the device, so it also runs on meta tensors:
@@ -164,6 +190,7 @@ def linear_cross_entropy_of_targets(
         raise ValueError(f"hidden, weight and bias must be on one device, got {hidden.device} and {weight.device}")
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    _check_gradient_destination(grad_scale, grad_weight_into, weight, reduction)
     gemm_dtype = _gemm_dtype(gemm_dtype, hidden, weight)
     options = _options(label_smoothing, z_loss_weight, softcap)
     total_tokens = hidden.shape[0]
@@ -171,8 +198,8 @@ def linear_cross_entropy_of_targets(
     backend_name, row_kernel = select_row_kernel(backend, hidden.device, dtype)
     row_scale = _row_scale(reduction, denominator, targets, dtype, hidden.device)
     loss, zloss, logprob = LinearCrossEntropyFunction.apply(
-        hidden, targets.positions, weight, bias, targets.labels, row_scale, options, row_kernel, reduction != "none", chunk_rows,
-        gemm_dtype, torch.is_grad_enabled(),
+        hidden, targets.positions, weight, bias, targets.labels, row_scale, options, row_kernel, reduction != "none",
+        chunk_rows, gemm_dtype, grad_scale, grad_weight_into, torch.is_grad_enabled(),
     )
     return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)
 

@@ -201,17 +201,41 @@ def test_non_contiguous_inputs(backend):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
-@pytest.mark.parametrize("chunk_rows", [3, None], ids=["3_rows", "from_free_memory"])
-def test_bf16_inputs_on_tensor_cores(backend, reduction, chunk_rows):
+@pytest.mark.parametrize("chunk_rows", [3, None], ids=["3_rows", "default"])
+@pytest.mark.parametrize("vocab_size", [37, 4099], ids=["one_block", "five_blocks"])
+def test_bf16_inputs_on_tensor_cores(backend, reduction, chunk_rows, vocab_size):
+    """The kernel writes bf16 d(logits) over the first half of each fp32 logit row: with five
+    1024-wide blocks a block's writes land on earlier blocks and on its own first half, which
+    the barrier must order after every thread's reads (the interpreter cannot show that)."""
     assert gemm_dtype_for(torch.empty(1, 1, device=CUDA, dtype=torch.bfloat16), torch.empty(1, 1, device=CUDA, dtype=torch.bfloat16)) == torch.bfloat16, (
         "this torch has no mm/addmm out_dtype overloads: bf16 GEMMs fall back to fp32 operands"
     )
-    batch = make_batch()
+    batch = make_batch(vocab_size=vocab_size)
     # The reference sees the bf16-rounded values.
     batch.hidden, batch.weight, batch.bias = (t.bfloat16().float() for t in (batch.hidden, batch.weight, batch.bias))
     out, grads = run_linear_on_gpu(batch, backend, reduction, OPTIONS["all"], True, dtype=torch.bfloat16, chunk_rows=chunk_rows)
     assert out.loss.dtype == torch.float32 and all(g.dtype == torch.bfloat16 for g in grads)
     assert_matches_reference(out, grads, batch, reduction, OPTIONS["all"], True, grad_rtol=1e-2)
+
+
+def test_bf16_weight_gradient_into_an_fp32_buffer(backend):
+    """grad_weight_into on CUDA: fp32-out tensor-core GEMMs add d(weight) into the buffer, and
+    grad_scale's gradients equal the reference's for that upstream gradient."""
+    batch = make_batch(vocab_size=4099)
+    batch.hidden, batch.weight, batch.bias = (t.bfloat16().float() for t in (batch.hidden, batch.weight, batch.bias))
+    gpu = on_gpu(batch)
+    hidden, weight = (t.to(torch.bfloat16).requires_grad_() for t in (gpu.hidden, gpu.weight))
+    held = torch.randn(weight.shape, device=CUDA)
+    into = held.clone()
+    out = varlen_linear_cross_entropy(hidden, weight, input_ids=gpu.input_ids, loss_mask=gpu.loss_mask, offsets=gpu.offsets,
+                                      backend=backend, chunk_rows=5, grad_scale=1.7, grad_weight_into=into)
+    (out.loss * 1.7).backward()  # the reference's upstream gradient is 1.7
+    torch.cuda.synchronize()  # a wrong upstream gradient would fail here (device-side assertion)
+    assert weight.grad is None
+    ref_loss, _, _, ref_grads = reference(batch, batch.aligned_labels(), "sum", {}, False)
+    assert_close(out.loss.cpu(), ref_loss)
+    assert_close(hidden.grad.cpu().float(), ref_grads[0].float(), rtol=1e-2)
+    assert_close((into - held).cpu(), ref_grads[1].float(), rtol=1e-2)
 
 
 def test_no_fp32_weight_copy_and_no_gradient_memory_under_no_grad(backend):
