@@ -76,6 +76,13 @@ def test_entries_may_be_folders_and_globs(tmp_path, chat_rows):
     (folder / "prepared.store" / "store.json").write_text("{}")
     assert expand_entry(str(folder)) == [Path(a), Path(b)]
     assert expand_entry(str(folder / "**" / "*.parquet")) == [Path(b)]
+    from hpsft.config import DataConfig
+
+    def name(entry) -> str:  # a folder is named after itself, a glob after the folder it searches
+        return DataConfig(train_files=[str(entry)]).train_sources()[0].name
+
+    assert [name(folder), name(folder / "**" / "*.parquet"), name(folder / "b" / "part-*.parquet")] == \
+        ["parts", "parts", "b"]
     from hpsft.data.rows import DataError
 
     with pytest.raises(DataError, match="matches no file"):

@@ -4,6 +4,7 @@ Choice-valued fields are validated in `__post_init__` so a bad value fails at st
 with the valid choices named.
 """
 
+import glob
 import importlib.util
 import math
 import re
@@ -87,11 +88,21 @@ class DataSource:
     """One entry of data.train_files or data.val_files: a path, or {path, weight, name}."""
 
     path: str
-    name: str  # in per-dataset metrics (train/loss/<name>); default: the file's stem
+    name: str  # in per-dataset metrics (train/loss/<name>); default: default_source_name(path)
     weight: Optional[float]  # sampling weight (train_files only); None: not given
 
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def default_source_name(path: str) -> str:
+    """A file's or folder's stem; for a glob, the folder it searches (data/train/part-*.parquet:
+    train), or `data` when it has none."""
+    parts = PurePath(path).parts
+    if not any(glob.has_magic(part) for part in parts):
+        return PurePath(path).stem
+    plain = [PurePath(part).stem for part in parts[:next(i for i, part in enumerate(parts) if glob.has_magic(part))]]
+    return next((part for part in reversed(plain) if SOURCE_NAME.fullmatch(part)), "data")
 
 
 def data_source(key: str, i: int, entry) -> DataSource:
@@ -106,7 +117,7 @@ def data_source(key: str, i: int, entry) -> DataSource:
     path, weight = entry.get("path"), entry.get("weight")
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where} needs a 'path' (the data file), got {path!r}")
-    name = entry.get("name", PurePath(path).stem)
+    name = entry.get("name", default_source_name(path))
     if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name):
         raise ValueError(f"{where} name {name!r} must be letters, digits, '_', '.' or '-' (it names metrics, "
                          "train/loss/<name>): set 'name'")
