@@ -1,31 +1,36 @@
 #!/usr/bin/env bash
 # The GPU checks in one bounded run (<= 8 minutes on one GPU), from the repository root:
 #   1. environment: carried wheels (GPU_CHECKS_PREPARE=1), versions, nvidia-smi
-#   2. the GPU kernel tests: tests/ops/test_gpu_backends.py, tests/test_varlen_attention_gpu.py
-#   3. the loss benchmark: benchmarks/bench_varlen_ce.py --device cuda (bf16, N = 8k and 32k,
-#      H = 4096, V = 128256: hpsft (and at chunk_rows=2048) vs materialised logits,
-#      F.linear_cross_entropy, Liger)
-#   4. a bf16 training run of the default model (configs/sft.yaml's SmolLM2-135M, random
-#      weights of its architecture) with flash_attention_2 (hpsft_varlen where flash-attn is
-#      not importable) and with sdpa: losses equal within bf16 tolerance, step times
-#   5. a Ray run (python -m hpsft.train_ray) with one GPU actor            -> exit status
+#   2. tests: the GPU kernel tests, tests/ops/test_gpu_backends.py, tests/test_varlen_attention_gpu.py
+#   3. bench: the loss benchmark, benchmarks/bench_varlen_ce.py --device cuda (bf16, N = 8k and
+#      32k, H = 4096, V = 128256): torch.cuda.max_memory_allocated's extra for fwd+bwd of each
+#      hpsft row against the byte accounting's figure (fails when off by > 2 %), and time and
+#      memory against materialised logits, F.linear_cross_entropy and Liger-Kernel
+#   4. step: an end-to-end bf16 ZeRO-1 step of a random-init Llama-3.2-1B-shaped model on packed
+#      16k-token micro-batches (benchmarks/bench_gpu_step.py): tokens/s, MFU against 989
+#      TFLOP/s, hpsft's loss against Liger's on the same batch
+#   5. ranks: the same step on 2 ranks (torchrun), when the device has 2 GPUs (a line otherwise)
+#   6. train (not by default): a bf16 training run of configs/sft.yaml's SmolLM2-135M (random
+#      weights of its architecture) with flash_attention_2 (hpsft_varlen where flash-attn is not
+#      importable) and with sdpa: losses equal within bf16 tolerance, step times
+#   7. ray (not by default): a Ray run (python -m hpsft.train_ray) with one GPU actor
 # Every step runs under `timeout`, capped by what is left of GPU_CHECKS_BUDGET_S (470 s); a
 # step the budget no longer allows is reported as skipped. One table, ${OUT:-gpu_results}/table.md,
 # holds every step's result (read it first); each step's log sits next to it. Exit status: 0
-# when every check that ran passed; checks that cannot run (flash-attn or ray not importable)
-# are reported as skipped, not passed.
+# when every check that ran passed; checks that cannot run (flash-attn or ray not importable,
+# one GPU for the 2-rank step) are reported as skipped, not passed.
 #
 # Modes (environment variables):
 #   GPU_CHECKS_PREPARE=1  on the CPU machine, before lending the GPU: download the wheels the
 #                         GPU machine cannot fetch (it has no network) into .whl/ (git-ignored
 #                         through .git/info/exclude), then exit. Carry .whl in the device call.
-#   GPU_CHECKS_ONLY="tests bench train ray"  the checks to run (a rerun of the failed ones).
+#   GPU_CHECKS_ONLY="tests bench step ranks"  the checks to run (the default; add train, ray).
 #   GPU_CHECKS_DRY_RUN=1  on a machine without GPU: .venv/bin/python, no venv, no nvidia-smi;
 #                         the same steps on CPU at small sizes (GPU tests skipped, the
-#                         benchmark's --quick shapes, the 2-layer model in fp32 with
-#                         hpsft_varlen in place of flash-attn) to check this script's flow;
-#                         every step's timeout (and the budget) times GPU_CHECKS_TIMEOUT_SCALE,
-#                         4 by default there (2 shared CPU cores are far slower than a GPU).
+#                         benchmark's --account figures in place of its GPU run, the step on a
+#                         tiny Llama, the 2-layer model in fp32 with hpsft_varlen in place of
+#                         flash-attn) to check this script's flow; every step's timeout (and
+#                         the budget) times GPU_CHECKS_TIMEOUT_SCALE, 4 by default there.
 # docs/ops.md ("GPU checks") has the exact device call; docs/gpu_results.md what it measured on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +77,7 @@ for ignored in /gpu_results/; do
     [[ -d .git/info ]] && ! grep -qx "$ignored" .git/info/exclude 2>/dev/null && echo "$ignored" >>.git/info/exclude
 done
 DRY_RUN="${GPU_CHECKS_DRY_RUN:-0}"
-ONLY=" ${GPU_CHECKS_ONLY:-tests bench train ray} "
+ONLY=" ${GPU_CHECKS_ONLY:-tests bench step ranks} "
 wanted() { [[ "$ONLY" == *" $1 "* ]]; }
 SCALE="${GPU_CHECKS_TIMEOUT_SCALE:-$([[ "$DRY_RUN" == 1 ]] && echo 4 || echo 1)}"
 DEADLINE=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-470} * SCALE))
@@ -172,18 +177,49 @@ if wanted tests; then
         "pytest tests/ops/test_gpu_backends.py tests/test_varlen_attention_gpu.py: $(grep -Eo '[0-9]+ (passed|failed|skipped|errors?)' "$OUT_DIR/tests.log" | tr '\n' ' ')"
 fi
 
-# 3. Loss benchmark (each method cross-checked against fp64 before it is timed).
+# 3. Loss benchmark (each method cross-checked against fp64 before it is timed; the measured
+# peak extra memory of each hpsft row against its byte accounting: exit 3 when off by > 2 %).
 BENCH_LOG="$OUT_DIR/bench_varlen_ce.log"
 if ! wanted bench; then
     :
 elif [[ "$DEVICE" == cuda ]]; then
-    check "loss benchmark" 200 "$BENCH_LOG" "bench_varlen_ce.py --device cuda, N=8k and 32k, H=4096, V=128256" \
+    check "loss benchmark" 200 "$BENCH_LOG" "bench_varlen_ce.py --device cuda, N=8k and 32k, H=4096, V=128256 (exit 3: a measured peak off its accounting by > 2%)" \
         "$PY" benchmarks/bench_varlen_ce.py --device cuda --repeats 3
 else
-    check "loss benchmark" 200 "$BENCH_LOG" "bench_varlen_ce.py --quick (CPU)" "$PY" benchmarks/bench_varlen_ce.py --quick
+    check "loss benchmark" 200 "$BENCH_LOG" "bench_varlen_ce.py --account (CPU: the figures a GPU run is held to)" \
+        "$PY" benchmarks/bench_varlen_ce.py --account
 fi
 
-# 4. bf16 training of the default model, flash-attn vs sdpa. The full model's weights (514 MB)
+# 4-5. An end-to-end bf16 step of a Llama-3.2-1B-shaped model (random init, no download) on
+# packed 16k-token micro-batches: one GPU, then 2 ranks when there are 2 GPUs.
+STEP_LOG="$OUT_DIR/gpu_step.log"
+if [[ "$DEVICE" == cuda ]]; then
+    STEP_ARGS=(--shape 1b --device cuda --tokens 16384 --micro-batches 2 --steps 3 --out "$OUT_DIR")
+    GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+else
+    STEP_ARGS=(--shape tiny --device cpu --tokens 512 --micro-batches 2 --steps 1 --out "$OUT_DIR")
+    GPUS=0
+fi
+step_detail() {  # the step log's summary lines of its last run
+    echo "$(grep -o 'median after the warm-up.*' "$STEP_LOG" | tail -n 1); $(grep -E -o '^(loss on micro-batch 0|Liger-Kernel: ).*' "$STEP_LOG" | tail -n 1)"
+}
+if wanted step; then
+    start=$SECONDS
+    step "1B step, one rank" 150 "$STEP_LOG" "$PY" benchmarks/bench_gpu_step.py "${STEP_ARGS[@]}"
+    result "1B-shaped bf16 step, 1 rank" $? $start "$STEP_LOG" "$(step_detail)"
+fi
+if ! wanted ranks; then
+    :
+elif ((GPUS < 2)); then
+    row "1B-shaped bf16 step, 2 ranks" "skipped" 0 "$GPUS GPU(s) here: the 2-rank step needs 2"
+else
+    start=$SECONDS
+    step "1B step, 2 ranks" 180 "$STEP_LOG" "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
+        benchmarks/bench_gpu_step.py "${STEP_ARGS[@]}"
+    result "1B-shaped bf16 step, 2 ranks" $? $start "$STEP_LOG" "$(step_detail)"
+fi
+
+# 6. bf16 training of the default model, flash-attn vs sdpa. The full model's weights (514 MB)
 # exceed what a device call carries: random weights of its architecture (same time per token,
 # and the two attention paths must agree on any weights).
 TRAIN_LOG="$OUT_DIR/train.log"
@@ -241,7 +277,7 @@ EOF
     fi
 fi
 
-# 5. Ray: the driver and one actor holding the GPU (n_workers_per_node=1).
+# 7. Ray: the driver and one actor holding the GPU (n_workers_per_node=1).
 RAY_LOG="$OUT_DIR/ray.log"
 if ! wanted ray; then
     :
@@ -258,11 +294,13 @@ fi
 rm -rf "$RUNS_DIR"
 row total "$([[ $FAILED == 0 ]] && echo "no failure" || echo FAILED)" "$SECONDS" \
     "budget ${GPU_CHECKS_BUDGET_S:-470} s x $SCALE; logs in $OUT_DIR/"
-{  # the benchmark's own table (and its verdict lines) below the checks
+{  # the benchmark's and the step's own tables (and their verdict lines) below the checks
     echo
-    grep -E '^(torch|F\.linear|Liger)' "$BENCH_LOG"
+    grep -E '^(torch|F\.linear|Liger|accounted)' "$BENCH_LOG"
     echo
-    grep -E '^\||^target' "$BENCH_LOG"
+    grep -E '^\||^target|^accounting' "$BENCH_LOG"
+    echo
+    grep -E '^\||-shaped Llama|^median after|^loss on micro-batch|^Liger-Kernel: ' "$STEP_LOG"
 } >>"$TABLE" 2>/dev/null
 cat "$TABLE"
 exit $FAILED
