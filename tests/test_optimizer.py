@@ -1,10 +1,11 @@
-"""The engine's optimizer: torch's fused AdamW on CPU, checked against AdamW written out in fp64."""
+"""The engine's optimizer: torch's fused AdamW (on CPU checked against AdamW written out in fp64),
+and the settings a GPU run gets (fused AdamW, ZeRO's communication overlap and buckets)."""
 
 import pytest
 import torch
 
 from hpsft.config.schema import EngineConfig, OptimConfig
-from hpsft.engine.deepspeed_engine import DeepSpeedEngine, global_grad_norm
+from hpsft.engine.deepspeed_engine import GPU_ZERO_COMMUNICATION, DeepSpeedEngine, global_grad_norm
 from tests.conftest import REPO, run_cli, write_tiny_llama
 
 
@@ -44,6 +45,30 @@ def test_cpu_optimizer_is_fused_adamw_and_matches_the_fp64_reference():
     expected = adamw_fp64(start, grads_per_step, optim.lr, optim.betas, optim.eps, weight_decays)
     for actual, reference in zip(params, expected):
         torch.testing.assert_close(actual.detach().double(), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gpu_run_gets_fused_adamw_and_overlapped_zero_communication():
+    """What the engine builds for a GPU run, read on CPU (on_cuda=True is what
+    torch.cuda.is_available() sets there): torch's fused AdamW (planted: the previous
+    fused=None on CUDA, torch's foreach default, fails it), ZeRO 1-3 with overlap_comm,
+    contiguous gradients and 2e8-element buckets (planted: the settings dropped fails it), and
+    none of them on CPU or without ZeRO."""
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    for on_cuda in (True, False):
+        for stage in (0, 1, 2, 3):
+            engine = DeepSpeedEngine(EngineConfig(zero_stage=stage), OptimConfig(), total_steps=10)
+            engine.on_cuda = on_cuda
+            optimizer = engine.build_optimizer(module)
+            assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
+            zero = engine.deepspeed_config()["zero_optimization"]
+            expected = GPU_ZERO_COMMUNICATION if on_cuda and engine.stage > 0 else {}
+            assert {key: zero[key] for key in GPU_ZERO_COMMUNICATION if key in zero} == expected, (on_cuda, stage)
+    assert GPU_ZERO_COMMUNICATION == {"overlap_comm": True, "contiguous_gradients": True,
+                                      "reduce_bucket_size": 200_000_000, "allgather_bucket_size": 200_000_000}
+    # ZeRO-Offload on a GPU machine steps on the CPU: DeepSpeed's CPU Adam, not torch's.
+    engine = DeepSpeedEngine(EngineConfig(zero_stage=2, offload_optimizer=True), OptimConfig(), total_steps=10)
+    engine.on_cuda = True
+    assert engine.deepspeed_config()["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
 
 
 def test_the_gradient_norm_is_fp64_accurate():
