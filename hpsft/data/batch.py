@@ -57,11 +57,11 @@ def seqlens(batch: TensorDict) -> torch.Tensor:
 
 def target_mask(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Tokens that are predicted targets: loss_mask without each sequence's first token
-    (nothing before it in its sequence predicts it)."""
-    targets = loss_mask.clone()
-    starts = offsets[:-1][offsets.diff() > 0]
-    targets[starts] = False
-    return targets
+    (nothing before it in its sequence predicts it). Shapes only, no data-dependent size: on
+    a GPU no wait for the device (an empty sequence's start is the next one's, or T)."""
+    starts = torch.zeros(loss_mask.numel() + 1, dtype=torch.bool, device=loss_mask.device)
+    starts[offsets[:-1]] = True
+    return torch.where(starts[:-1], torch.zeros_like(loss_mask), loss_mask)
 
 
 IGNORE_INDEX = -100  # the label of a position that predicts no supervised token
@@ -72,10 +72,10 @@ def shifted_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: to
     sequence where that token is supervised, IGNORE_INDEX elsewhere (a sequence's last
     position never predicts the next sequence's first token). Taken on the whole row, the
     labels stay right when the row is later cut (sequence_split.py): a slice's last position
-    keeps the label of a token that lives on the next slice."""
+    keeps the label of a token that lives on the next slice. No host sync (target_mask)."""
     labels = torch.full_like(input_ids, IGNORE_INDEX)
-    targets = torch.nonzero(target_mask(loss_mask.bool(), offsets), as_tuple=True)[0]
-    labels[targets - 1] = input_ids[targets]
+    targets = target_mask(loss_mask.bool(), offsets)
+    labels[:-1] = torch.where(targets[1:], input_ids[1:], IGNORE_INDEX)
     return labels
 
 
