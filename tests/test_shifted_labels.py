@@ -3,29 +3,9 @@ operation whose result size depends on data (on a GPU each is a wait for the dev
 boolean-mask indexing, .item())."""
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpsft.data.batch import IGNORE_INDEX, shifted_labels, target_mask
-
-SYNCING_OPS = {torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
-               torch.ops.aten.masked_select.default}
-
-
-class DataDependentOps(TorchDispatchMode):
-    """Records every ATen call that needs the device's data on the host."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        bool_index = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default,
-                              torch.ops.aten.index_put.default) and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))
-        if func in SYNCING_OPS or bool_index:
-            self.seen.append(str(func))
-        return func(*args, **kwargs)
+from tests.syncing_ops import DataDependentOps
 
 
 def loop_labels(input_ids, loss_mask, lengths):

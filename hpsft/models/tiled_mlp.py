@@ -49,19 +49,25 @@ class TiledMLPFunction(torch.autograd.Function):
         return None, grad_x, None, None
 
 
-def agreed_tiles(tokens: int, tile_tokens: int, device) -> int:
-    """The tile count of this call, the same on every rank: under ZeRO-3 each tile's call of
-    a projection gathers its weight, a collective that every rank must join as often."""
-    tiles = torch.tensor([math.ceil(tokens / tile_tokens)], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tiles, op=dist.ReduceOp.MAX)
-    return max(int(tiles.item()), 1)
+def agreed_tiles(tokens: int, tile_tokens: int, device, partitioned: bool) -> int:
+    """The tile count of this call. Under ZeRO-3 (`partitioned`: the MLP's weights are ZeRO-3
+    parameters) the same on every rank: each tile's call of a projection gathers its weight,
+    a collective that every rank must join as often, so the count is all-reduced (a wait for
+    the device). Otherwise a host number, no collective and no sync: each rank reduces each
+    weight's gradient once, after its own last tile, whatever its count."""
+    tiles = max(math.ceil(tokens / tile_tokens), 1)
+    if not (partitioned and dist.is_initialized() and dist.get_world_size() > 1):
+        return tiles
+    agreed = torch.tensor([tiles], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed.item())
 
 
 def tiled_forward(original_forward, tile_tokens: int):
     def forward(self, x):
-        tiles = agreed_tiles(x.shape[-2], tile_tokens, x.device)
         params = [p for p in self.parameters() if p.requires_grad]
+        partitioned = any(hasattr(p, "ds_id") for p in self.parameters())
+        tiles = agreed_tiles(x.shape[-2], tile_tokens, x.device, partitioned)
         return TiledMLPFunction.apply(original_forward, x, tiles, params)
 
     return forward
