@@ -4,7 +4,9 @@ Everything before the LM head runs on all T packed tokens; the loss only needs t
 positions that predict a supervised token. This module turns the caller's description
 (input_ids + loss_mask + offsets, or explicit labels) into those N positions, their labels
 and the sequence each belongs to, and rejects malformed inputs with a message that says
-what to fix. Checks read a few scalars back from the device: one small sync per call.
+what to fix. The checks read their scalars back together (one small read-back for the
+offsets, one for the labels' range), and finding the supervised rows (nonzero: a size that
+depends on the data) is one more: on a GPU three waits for the device per call.
 """
 
 from dataclasses import dataclass
@@ -27,12 +29,13 @@ def check_offsets(offsets: torch.Tensor, total_tokens: int) -> torch.Tensor:
     if offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be int32 or int64, got {offsets.dtype}")
     offsets = offsets.long()
-    if offsets[0].item() != 0:
-        raise ValueError(f"offsets must start at 0, got {offsets[0].item()}")
-    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+    first, ordered, last = torch.stack([offsets[0], (offsets[1:] >= offsets[:-1]).all(), offsets[-1]]).tolist()
+    if first != 0:
+        raise ValueError(f"offsets must start at 0, got {first}")
+    if not ordered:
         raise ValueError(f"offsets must be non-decreasing, got {offsets.tolist()}")
-    if offsets[-1].item() != total_tokens:
-        raise ValueError(f"offsets must end at the number of tokens ({total_tokens}), got {offsets[-1].item()}")
+    if last != total_tokens:
+        raise ValueError(f"offsets must end at the number of tokens ({total_tokens}), got {last}")
     return offsets
 
 
@@ -43,11 +46,12 @@ def _check_token_vector(name: str, tensor: torch.Tensor, total_tokens: int) -> N
 
 
 def _check_label_range(labels: torch.Tensor, vocab_size: int, what: str) -> None:
-    if labels.numel() and (labels.min().item() < 0 or labels.max().item() >= vocab_size):
-        raise ValueError(
-            f"{what} must lie in [0, {vocab_size}) (the vocabulary of weight/logits), "
-            f"got values in [{labels.min().item()}, {labels.max().item()}]"
-        )
+    if not labels.numel():
+        return
+    low, high = torch.stack([labels.min(), labels.max()]).tolist()
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{what} must lie in [0, {vocab_size}) (the vocabulary of weight/logits), "
+                         f"got values in [{low}, {high}]")
 
 
 def _sequence_ids(positions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
