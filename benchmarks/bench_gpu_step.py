@@ -83,9 +83,9 @@ def compare_with_liger(module, micro_batch: dict, device: torch.device) -> dict:
     from hpsft.data.batch import shifted_labels
     from hpsft.ops import varlen_linear_cross_entropy
 
-    batch = {k: v.to(device) for k, v in micro_batch.items()}
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
     with torch.no_grad():
-        hidden, _ = module.hidden_states(batch["input_ids"], batch["position_ids"], batch["offsets"])
+        hidden, _ = module.hidden_states(batch["input_ids"], batch["position_ids"], batch["offsets"], batch["max_length"])
     labels = shifted_labels(batch["input_ids"][0], batch["loss_mask"], batch["offsets"])
     weight = module.lm.get_output_embeddings().weight.detach()
     results = {}

@@ -75,7 +75,7 @@ def run_mode(mode: str, args) -> dict:
                 out = lm(input_ids=ids.to(device), attention_mask=attn.to(device), labels=labels.to(device), use_cache=False)
                 out.loss.backward()
                 return ids.numel()
-            row = {k: v.to(device) for k, v in mb.items()}
+            row = {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
             out = model(**row)
             loss_sum, n_tokens = out["loss"], out["n_tokens"]
             (loss_sum / n_tokens.clamp_min(1)).backward()

@@ -120,6 +120,32 @@ def test_packed_rows_pass_int32_boundaries_and_the_longest_sequence_to_every_lay
         assert max_length == 9
 
 
+def test_a_packed_row_brings_its_longest_sequence_and_the_forward_reads_none_back(model):
+    """packed_row gives the longest sequence as a host int (split_row the padded row's, whose
+    last sequence takes the padding); given it, hidden_states reads nothing back from the
+    device for it (on a GPU a wait per micro-batch: one recorded read-back fewer), and the
+    hidden states equal those of the read-back. Planted: max_length ignored in hidden_states
+    (the same count either way) fails it."""
+    from hpsft.data.batch import empty_batch
+    from hpsft.data.sequence_split import split_row
+    from tests.syncing_ops import DataDependentOps
+
+    row = packed_row(random_batch([4, 1, 9, 2], seed=7))
+    assert row["max_length"] == 9 and isinstance(row["max_length"], int)
+    assert packed_row(empty_batch())["max_length"] == 1  # the placeholder row's one token
+    # 13 tokens padded to 16 over 4 ranks: the last sequence, 10 tokens, becomes 13
+    assert [split_row(packed_row(random_batch([3, 10], seed=7)), r, 4)["max_length"] for r in range(4)] == [13] * 4
+    recorded = []
+    for max_length in (row["max_length"], None):
+        with torch.no_grad(), DataDependentOps() as ops:
+            hidden, _ = model.hidden_states(row["input_ids"], row["position_ids"], row["offsets"], max_length)
+        recorded.append((hidden, ops.seen))
+    (given, seen_given), (read_back, seen_read_back) = recorded
+    # transformers' mask preparation reads the position ids back once either way; ours is the one more.
+    assert len(seen_read_back) == len(seen_given) + 1, (seen_given, seen_read_back)
+    assert torch.equal(given, read_back)
+
+
 def test_whole_row_kernel_bounds_given_or_derived_from_position_ids_agree():
     from hpsft.models.varlen_attention import kernel_bounds
 

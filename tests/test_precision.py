@@ -79,7 +79,8 @@ def bf16_rows_references(model_path, sequences):
             computed[micro_batches] = rows, bf16_rows_reference(model_path, rows, global_loss_tokens(sequences))
         first_rows, grads = computed[micro_batches]
         assert len(rows) == len(first_rows) and all(
-            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(rows, first_rows))
+            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+            for a, b in zip(rows, first_rows))
         return grads
 
     return reference

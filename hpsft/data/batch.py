@@ -93,8 +93,15 @@ def select(batch: TensorDict, indices) -> TensorDict:
     return batch[indices]
 
 
+def longest_sequence(offsets: torch.Tensor) -> int:
+    """The longest sequence of a row's offsets (0 without any): what varlen attention kernels
+    take as a host number. Read from CPU offsets, before they go to the device."""
+    return int(offsets.diff().max()) if offsets.numel() > 1 else 0
+
+
 def packed_row(batch: TensorDict) -> dict:
-    """One packed row for the model: (1, T) input_ids/position_ids, flat loss_mask, offsets.
+    """One packed row for the model: (1, T) input_ids/position_ids, flat loss_mask, offsets,
+    and max_length, the longest sequence (a host int: the forward needs no read-back of it).
 
     An empty batch becomes a single unsupervised token, so that every rank still runs a
     forward and backward (ZeRO's collectives need every rank in every micro-step).
@@ -105,10 +112,13 @@ def packed_row(batch: TensorDict) -> dict:
             "position_ids": torch.zeros(1, 1, dtype=torch.int64),
             "loss_mask": torch.zeros(1, dtype=torch.bool),
             "offsets": torch.tensor([0, 1], dtype=torch.int64),
+            "max_length": 1,
         }
+    offsets = batch["input_ids"].offsets()
     return {
         "input_ids": batch["input_ids"].values().unsqueeze(0),
         "position_ids": batch["position_ids"].values().unsqueeze(0),
         "loss_mask": batch["loss_mask"].values(),
-        "offsets": batch["input_ids"].offsets(),
+        "offsets": offsets,
+        "max_length": longest_sequence(offsets),
     }

@@ -19,7 +19,7 @@ those of the real sequences, and the padding counts as computed-but-not-real tok
 
 import torch
 
-from hpsft.data.batch import IGNORE_INDEX, shifted_labels
+from hpsft.data.batch import IGNORE_INDEX, longest_sequence, shifted_labels
 
 PAD_TOKEN = 0  # any valid id: padded positions are never predicted and never predict
 
@@ -42,8 +42,8 @@ def real_tokens(length: int, sp_rank: int, sp_size: int) -> int:
 
 def split_row(row: dict, sp_rank: int, sp_size: int) -> dict:
     """This SP rank's slice of a packed row (packed_row's dict): input_ids and position_ids
-    (1, L), labels (L,), the padded whole row's offsets, and `slice_start`, where the slice
-    begins in the row."""
+    (1, L), labels (L,), the padded whole row's offsets and their longest sequence, and
+    `slice_start`, where the slice begins in the row."""
     input_ids, position_ids = row["input_ids"][0], row["position_ids"][0]
     labels = shifted_labels(input_ids, row["loss_mask"], row["offsets"])
     length = input_ids.numel()
@@ -60,5 +60,6 @@ def split_row(row: dict, sp_rank: int, sp_size: int) -> dict:
         "position_ids": position_ids[start:stop].unsqueeze(0),
         "labels": labels[start:stop],
         "offsets": offsets,
+        "max_length": longest_sequence(offsets),  # the padding lengthens the last sequence
         "slice_start": start,
     }

@@ -18,7 +18,7 @@ import contextlib
 import torch
 from torch import nn
 
-from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels, target_mask
+from hpsft.data.batch import IGNORE_INDEX, collate_jagged, longest_sequence, packed_row, shifted_labels, target_mask
 from hpsft.models.families import UnsupportedModel, longest_sliding_window, output_side
 from hpsft.models.ulysses_attention import INNER_IMPLEMENTATIONS, ULYSSES_IMPLEMENTATION, SequenceParallel, check_heads
 from hpsft.ops import varlen_linear_cross_entropy
@@ -85,15 +85,18 @@ class PackedCausalLM(nn.Module):
         self.training = mode
         return self
 
-    def hidden_states(self, input_ids, position_ids, offsets):
+    def hidden_states(self, input_ids, position_ids, offsets, max_length: int | None = None):
         """The decoder's last hidden state (T, H), scaled as the family scales its logits, and
-        the router logits per layer (MoE with the router loss on; else None)."""
+        the router logits per layer (MoE with the router loss on; else None). max_length: the
+        row's longest sequence when the caller knows it on the host (packed_row); else it is
+        read back from the device offsets (one wait for the device)."""
         # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn),
         # computed once per forward rather than by every layer. int32, as flash-attn's and torch's
         # varlen kernels require. Under sequence parallelism input_ids are a slice and offsets the
         # whole row's: the attention function sees the whole row (ulysses_attention.py).
         cu_seq_lens = offsets.to(torch.int32)
-        max_length = int(offsets.diff().max()) if offsets.numel() > 1 else 0
+        if max_length is None:
+            max_length = longest_sequence(offsets)
         with_router = self.output_side.router_aux_loss is not None
         out = self.lm.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False,
@@ -122,7 +125,7 @@ class PackedCausalLM(nn.Module):
         )
 
     def forward(self, input_ids, position_ids, offsets, loss_mask=None, labels=None, slice_start: int = 0,
-                per_sequence: bool = False, sequence_nll: bool = False) -> dict:
+                per_sequence: bool = False, sequence_nll: bool = False, max_length: int | None = None) -> dict:
         """The row's loss terms, as sums over its loss tokens:
           loss            the training objective: cross-entropy (with z-loss and label
                           smoothing when set) + router_aux_loss_coef * router_aux_loss * n_tokens
@@ -139,10 +142,11 @@ class PackedCausalLM(nn.Module):
         A whole packed row comes with its loss_mask; a sequence-parallel slice (split_row)
         with its labels and slice_start, its offsets being the whole row's: every term is then
         this slice's share (per sequence too), and the shares add up over the SP group.
+        max_length: the longest sequence of the offsets, as packed_row/split_row give it.
         """
         if labels is None:
             labels = shifted_labels(input_ids[0], loss_mask, offsets)
-        hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets)
+        hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets, max_length)
         out = self.token_losses(hidden, labels, "none" if per_sequence else "sum")
         if per_sequence:
             nll, n_tokens = per_sequence_sums(out.logprobs, labels, offsets, slice_start)
@@ -264,9 +268,9 @@ def verify_packed_training(lm: nn.Module, gathered=already_whole) -> None:
             {"input_ids": ids, "loss_mask": torch.ones(len(ids), dtype=torch.bool), "index": i}
             for i, ids in enumerate(sequences)
         ]))
-        row = {name: tensor.to(device) for name, tensor in row.items()}
+        row = {name: value.to(device) if torch.is_tensor(value) else value for name, value in row.items()}
         packed = PackedCausalLM(lm)
-        hidden, _ = packed.hidden_states(row["input_ids"], row["position_ids"], row["offsets"])
+        hidden, _ = packed.hidden_states(row["input_ids"], row["position_ids"], row["offsets"], row["max_length"])
         with gathered([head]):
             labels = shifted_labels(row["input_ids"][0], row["loss_mask"], row["offsets"])
             out = packed.token_losses(hidden, labels, "none")
