@@ -138,3 +138,48 @@ def test_tp2_trains_as_one_process_under_zero1_and_zero2(tmp_path):
     assert all(value < (1e-4 if name.endswith("weights") else 1e-5) for name, value in figures.items()), shown
     # Clipping binds (the reference's norms exceed optim.grad_clip=1.0) and the steps move the loss.
     assert min(reference["grad_norms"]) > 1.0 and abs(reference["losses"][2] - reference["losses"][0]) > 1e-2
+
+
+@pytest.mark.slow
+def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, model_path, chat_rows):
+    """The real CLI: TP=2 over 2 ranks (DP=1, ZeRO-1) vs one process on the same config, 3 steps
+    of 8 real conversations in 2 micro-batches, validation, the end's checkpoint and export:
+    per-step token and loss-token counts equal, loss, unclipped grad norm and val loss within
+    1e-5, the exported folder unsharded (loads strictly into the model class) and equal to the
+    one-process export. Planted once each: (1) the worker's step loss-token count divided by SP
+    only, not TP (counted twice over the TP group): grad norms 0.5x, losses equal, failed; (2) every TP rank
+    reporting its counts (not once per group): train/loss_tokens 2x, failed; (3) the sampler's
+    data-parallel size over the whole world (each TP rank dealt other rows): the TP=2 run died
+    at its first forward in DeepSpeed's check that a TP group's inputs agree, failed."""
+    model = tiny_llama(tmp_path / "model", vocab=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "model" / name).write_bytes((REPO / model_path / name).read_bytes())
+    train = write_parquet([{"messages": c} for c in chat_rows[:16]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
+
+    def overrides(out, **extra):
+        return base_overrides(model, train, val, out, **{
+            "trainer.total_steps": 3, "data.micro_batch_size_per_gpu": 4, "optim.lr": 1e-2,
+            "engine.zero_stage": 1, **extra})
+
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    proc = run_cli("hpsft.train", overrides(tp2, **{"engine.tensor_parallel_size": 2}), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert ("world size 2, 1 node(s), 2 rank(s) per node; mesh DP 1 x TP 2 x SP 1; rank 0: dp 0, tp 0, sp 0; "
+            "rank 1: dp 0, tp 1, sp 0") in proc.stdout
+    proc = run_cli("hpsft.train", overrides(one))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    m1, m2 = read_metrics(one), read_metrics(tp2)
+    assert [m["step"] for m in m2] == [1, 2, 3] and m2[0]["perf/micro_batches_per_rank"] == 2
+    for a, b in zip(m1, m2):
+        print({key: (a.get(key), b.get(key)) for key in ("train/loss", "train/grad_norm", "train/loss_tokens",
+                                                         "train/tokens", "val/loss")})
+        assert (a["train/loss_tokens"], a["train/tokens"]) == (b["train/loss_tokens"], b["train/tokens"])
+        for key in ("train/loss", "train/grad_norm", "val/loss"):
+            assert (key in a) == (key in b) and (key not in a or rel(b[key], a[key]) < 1e-5), (key, a, b)
+    assert max(m["train/grad_norm"] for m in m1) > 1.0  # clipping binds (steps 2 and 3)
+    exported, reference = load_file(tp2 / "hf" / "model.safetensors"), load_file(one / "hf" / "model.safetensors")
+    LlamaForCausalLM(LlamaConfig.from_pretrained(tp2 / "hf")).load_state_dict(exported, strict=True)
+    assert exported.keys() == reference.keys()
+    # Within 1e-4 for AdamW's sign-like first updates at lr 1e-2 (see the engine test above).
+    assert max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items()) < 1e-4
