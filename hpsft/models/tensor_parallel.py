@@ -7,12 +7,12 @@ replicated (docs/tensor_parallel.md). A rank's attention then sees H/TP query an
 heads: transformers reshapes the projections with -1 heads and keeps H/K query heads per
 key/value head, so hpsft's varlen attention runs on the rank's heads unchanged. That needs
 every count TP splits to divide by TP, and a family whose layers were shown to train under
-TP=2 exactly as one process (tests/test_tensor_parallel.py): Llama only so far.
+TP=2 exactly as one process (tests/test_tensor_parallel.py): Llama and Qwen2 so far.
 """
 
 from hpsft.errors import UserInputError
 
-TESTED_FAMILIES = ("llama",)
+TESTED_FAMILIES = ("llama", "qwen2")
 
 
 def check_tensor_parallel(config, tp_size: int) -> None:

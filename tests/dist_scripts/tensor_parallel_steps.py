@@ -1,14 +1,14 @@
 """Optimizer steps through hpsft's DeepSpeedEngine under tensor parallelism (DeepSpeed's
-AutoTP), for each of several ZeRO stages, on given packed rows; rank 0 saves each run's
+AutoTP), for each of several runs (a model and a ZeRO stage), on given packed rows; rank 0 saves each run's
 per-step losses and unclipped gradient norms and its final weights, gathered whole.
 
     torchrun --nproc_per_node N tests/dist_scripts/tensor_parallel_steps.py SPEC_PT OUT_PT
 
-SPEC_PT holds {"model": path, "tp": TP, "lr": float, "sequences": [{input_ids, loss_mask}],
-"steps": [[row, ...], ...] (a row: the sequence indices packed into it), "zero_stages": [...]}.
+SPEC_PT holds {"tp": TP, "lr": float, "sequences": [{input_ids, loss_mask}], "steps": [[row, ...],
+...] (a row: the sequence indices packed into it), "runs": [{"name", "model": path, "zero_stage"}]}.
 With TP ranks per group there are N/TP data-parallel ranks: dp rank d trains rows d, d+N/TP,
 ... of a step, the same on every TP rank of its group (what TrainingWorker does after planning
-the rows). OUT_PT gets {stage: {"losses": [...], "grad_norms": [...], "weights": {name: tensor}}}.
+the rows). OUT_PT gets {name: {"losses": [...], "grad_norms": [...], "weights": {name: tensor}}}.
 DeepSpeed builds its TP groups once per process: every run here has the same TP size.
 """
 
@@ -26,9 +26,9 @@ from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.workers.training_worker import token_mean_loss
 
 
-def run(spec: dict, zero_stage: int, samples: list[dict]) -> dict:
+def run(spec: dict, model: str, zero_stage: int, samples: list[dict]) -> dict:
     tp = spec["tp"]
-    config = load_config(None, [f"model.path={spec['model']}", f"engine.zero_stage={zero_stage}",
+    config = load_config(None, [f"model.path={model}", f"engine.zero_stage={zero_stage}",
                                 f"engine.tensor_parallel_size={tp}", f"optim.lr={spec['lr']}",
                                 "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]))
@@ -55,7 +55,7 @@ def main() -> None:
     distributed.init_distributed("gloo")
     spec = torch.load(spec_pt)
     samples = [{**s, "index": i} for i, s in enumerate(spec["sequences"])]
-    results = {stage: run(spec, stage, samples) for stage in spec["zero_stages"]}
+    results = {r["name"]: run(spec, r["model"], r["zero_stage"], samples) for r in spec["runs"]}
     if dist.get_rank() == 0:
         torch.save(results, out_pt)
 
