@@ -164,7 +164,8 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, mode
     only, not TP (counted twice over the TP group): grad norms 0.5x, losses equal, failed; (2) every TP rank
     reporting its counts (not once per group): train/loss_tokens 2x, failed; (3) the sampler's
     data-parallel size over the whole world (each TP rank dealt other rows): the TP=2 run died
-    at its first forward in DeepSpeed's check that a TP group's inputs agree, failed."""
+    at its first forward in DeepSpeed's check that a TP group's inputs agree, failed. Then the
+    refusals of a resume: the TP=2 run resuming its own checkpoint, one process resuming it."""
     model = tiny_llama(tmp_path / "model", vocab=49152)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (tmp_path / "model" / name).write_bytes((REPO / model_path / name).read_bytes())
@@ -197,3 +198,14 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, mode
     assert exported.keys() == reference.keys()
     # Within 1e-4 for AdamW's sign-like first updates at lr 1e-2 (see the engine test above).
     assert max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items()) < 1e-4
+    # Resuming under TP, or a TP checkpoint without TP, is refused by name (not tested exact yet).
+    checkpoint = tp2 / "checkpoints" / "global_step_3"
+    proc = run_cli("hpsft.train", overrides(tp2, **{"engine.tensor_parallel_size": 2, "trainer.total_steps": 4}),
+                   nproc=2)
+    assert proc.returncode != 0 and (f"hpsft: error: engine.tensor_parallel_size=2: resuming {checkpoint} under "
+                                     "tensor parallelism is not supported yet; start afresh (trainer.resume=disable)") in proc.stderr, proc.stderr[-3000:]
+    proc = run_cli("hpsft.train", overrides(tmp_path / "resumed", **{"trainer.resume": checkpoint,
+                                                                     "trainer.total_steps": 4}))
+    assert proc.returncode != 0 and (f"hpsft: error: {checkpoint} was written with engine.tensor_parallel_size=2: "
+                                     "resuming a tensor-parallel checkpoint is not supported yet") in proc.stderr, \
+        proc.stderr[-3000:]
