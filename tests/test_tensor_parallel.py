@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hpsft.config import load_config
+from hpsft.distributed import Mesh, mesh
 from hpsft.config.load import ConfigError
 from hpsft.errors import UserInputError
 from hpsft.models.tensor_parallel import check_tensor_parallel
@@ -68,6 +69,15 @@ def test_a_model_tensor_parallelism_cannot_split_exactly_is_refused(config, mess
     with pytest.raises(UserInputError, match=r"engine.tensor_parallel_size=2" + ".*" + message):
         check_tensor_parallel(config, 2)
     check_tensor_parallel(config, 1)
+
+
+def test_the_mesh_puts_a_tp_group_on_consecutive_ranks_and_refuses_a_size_not_dividing_the_world():
+    """DP=2 x TP=2 as DeepSpeed's AutoTP mesh lays it out: ranks 0, 1 are TP group 0 (dp 0)."""
+    places = [Mesh(dp_size=2, tp_size=2, sp_size=1, rank=r) for r in range(4)]
+    assert [(p.dp_rank, p.tp_rank, p.sp_rank) for p in places] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert places[3].coordinates() == "rank 3: dp 1, tp 1, sp 0"
+    with pytest.raises(UserInputError, match=r"engine.tensor_parallel_size=2 does not divide the world size 1"):
+        mesh(tp_size=2)  # this process alone: a world of 1
 
 
 def sequence(n: int, seed: int) -> dict:
