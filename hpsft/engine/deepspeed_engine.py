@@ -324,7 +324,8 @@ class DeepSpeedEngine(TrainEngine):
         whole state. When the layouts differ the checkpoint is first converted to DeepSpeed's
         universal (per-parameter, dp-independent) form, then loaded from it."""
         folder = Path(root) / tag
-        saved_dp_size = len(list(folder.glob("*optim_states.pt")))  # 0 without ZeRO
+        # One optimizer file per dp rank (and per TP rank under TP: mp_rank_0<t>); 0 without ZeRO.
+        saved_dp_size = len(list(folder.glob("*mp_rank_00_optim_states.pt")))
         written_with_zero3 = bool(list(folder.glob("zero_pp_rank_*_model_states.pt")))
         if not (folder / MODEL_STATES).is_file() and not written_with_zero3:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")

@@ -275,17 +275,17 @@ class SFTTrainer:
         )
 
     def refuse_tensor_parallel_resume(self, checkpoint: Path) -> None:
-        """Before the model is built: resuming under tensor parallelism, or from a checkpoint
-        written with it, is not supported yet (DeepSpeed writes one model and optimizer file per
-        TP rank; loading them exactly is not tested, docs/tensor_parallel.md)."""
+        """Before the model is built: a checkpoint resumes under tensor parallelism only with the
+        TP and DP sizes that wrote it (DeepSpeed wrote one model and optimizer file per TP rank,
+        which each rank loads back as they are; resharding them is not built,
+        docs/tensor_parallel.md)."""
         tp = self.config.engine.tensor_parallel_size
-        if tp > 1:
-            raise UserInputError(f"engine.tensor_parallel_size={tp}: resuming {checkpoint} under tensor "
-                                 "parallelism is not supported yet; start afresh (trainer.resume=disable)")
-        written = CheckpointManager.load_trainer_state(checkpoint).get("tp_size", 1)
-        if written > 1:
-            raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written}: "
-                                 "resuming a tensor-parallel checkpoint is not supported yet")
+        state = CheckpointManager.load_trainer_state(checkpoint)
+        written_tp, written_dp = state.get("tp_size", 1), state["dp_size"]
+        if (tp > 1 or written_tp > 1) and (written_tp, written_dp) != (tp, self.dp_size):
+            raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written_tp} and "
+                                 f"{written_dp} data-parallel ranks, this run has {tp} and {self.dp_size}: a "
+                                 "checkpoint with tensor parallelism resumes with the same sizes only")
 
     def load_checkpoint(self, checkpoint: Path) -> None:
         """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)
