@@ -32,6 +32,25 @@ def tiny_llama(folder, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB) ->
     return str(folder)
 
 
+def tiny_gpt_oss(folder) -> str:
+    """GPT-OSS: attention sinks (one logit per query head), a sliding window of 8 on layer 0
+    (the step's rows run up to 58 tokens), 2 experts. Sinks far from zero and different per
+    head: a rank given another rank's sinks computes another attention."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                          tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor([-1.5, 2.0, 0.5, 3.0]))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 def sequence(n: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     loss_mask = torch.ones(n, dtype=torch.bool)
@@ -131,10 +150,15 @@ def rel_error(grads: dict, reference: dict) -> float:
 def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
     """2 ranks: DP=1 x SP=2 (ZeRO 0-3; GQA with 2 key/value heads, and with 1 repeated
     to the 4 query heads; with activation checkpointing, which repeats the all-to-all in the
-    recomputation; with tiled MLPs, also at DP=2) vs DP=2 x SP=1 on the same global batches,
-    two steps each; step 1 also against one process on the same (untiled) packed rows."""
+    recomputation; with tiled MLPs, also at DP=2; GPT-OSS with attention sinks) vs DP=2 x SP=1
+    on the same global batches, two steps each; step 1 also against one process on the same
+    (untiled) packed rows.
+    Planted: GPT-OSS's sinks passed whole after the all-to-all (RuntimeError in explicit_attention,
+    the defect this layout was added for); every rank given rank 0's sinks: step-1 loss off by
+    3.0e-5, gradients by 6.3e-2."""
     gqa = tiny_llama(tmp_path / "gqa")
     one_kv = tiny_llama(tmp_path / "one_kv", kv_heads=1)
+    sinks = tiny_gpt_oss(tmp_path / "gpt_oss")
     # Step 1's rows: cut inside a sequence longer than half its row (and padded from 57 to 58),
     # at a sequence boundary, around a 1-token sequence, and inside a short one.
     lengths = [40, 9, 8, 12, 12, 13, 1, 6, 11, 30, 7, 5, 21, 16]
@@ -149,12 +173,14 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
                {"name": "checkpointing, zero2 sp2", "model": gqa, "zero_stage": 2, "sp": 2, "checkpointing": True},
                # MLPs in tiles of 8 tokens; with DP=2 the ranks' rows differ in length and agree on a count.
                {"name": "tiled mlp, zero3 sp2", "model": gqa, "zero_stage": 3, "sp": 2, "tiled_mlp_tokens": 8},
-               {"name": "tiled mlp, zero3 dp2", "model": gqa, "zero_stage": 3, "sp": 1, "tiled_mlp_tokens": 8}]
+               {"name": "tiled mlp, zero3 dp2", "model": gqa, "zero_stage": 3, "sp": 1, "tiled_mlp_tokens": 8},
+               # Each rank attends with 2 of the 4 heads: it must take those heads' sinks.
+               {"name": "gpt-oss sinks, zero2 sp2", "model": sinks, "zero_stage": 2, "sp": 2}]
     torch.save({"sequences": samples, "steps": steps, "layouts": layouts}, tmp_path / "spec.pt")
     proc = run_cli(None, [str(tmp_path / "spec.pt"), str(tmp_path / "out.pt")], nproc=2, script=SCRIPT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     runs = torch.load(tmp_path / "out.pt")
-    references = {path: one_process_step(path, samples, steps[0]) for path in (gqa, one_kv)}
+    references = {path: one_process_step(path, samples, steps[0]) for path in (gqa, one_kv, sinks)}
     figures = {}  # all measured first: a failure shows every one
     for layout in layouts:
         loss, grads = references[layout["model"]]
