@@ -17,7 +17,7 @@ from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_l
 from hpsft.data.sequence_split import real_tokens, split_row
 from hpsft.errors import UserInputError
 from hpsft.models.ulysses_attention import check_heads
-from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet
+from tests.conftest import REPO, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff, run_cli, train_steps
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "sequence_parallel_steps.py")
 VOCAB = 512
@@ -199,20 +199,16 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def sp2_run(tmp_path_factory, model_path, chat_rows):
-    """A DP=1 x SP=2 CLI run of 2 steps (token-budget rows, validation, a checkpoint per
+def sp2_run(tmp_path_factory, tiny_chat_model, chat_rows):
+    """A DP=1 x SP=2 CLI run of 3 steps (token-budget rows, validation, a checkpoint per
     step) on a 4-head GQA model with SmolLM2's tokenizer, and the overrides that made it."""
     root = tmp_path_factory.mktemp("sp2_run")
-    model = tiny_llama(root / "model", vocab=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{model_path}/{name}", root / "model" / name)
-    train = write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet")
-    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], root / "val.parquet")
+    train, val = chat_parquet(root, chat_rows, train=16, val=4)
 
     def overrides(out, **extra):
-        return base_overrides(model, train, val, out, **{
-            "data.max_tokens_per_micro_batch": 256, "trainer.save_every": 1, "trainer.export_hf": "false",
-            "trainer.peak_flops_per_device": 1e12, **extra})
+        return base_overrides(tiny_chat_model, train, val, out, **{
+            "data.max_tokens_per_micro_batch": 256, "trainer.total_steps": 3, "trainer.save_every": 1,
+            "trainer.export_hf": "false", **extra})
 
     out = root / "sp2"
     proc = run_cli("hpsft.train", overrides(out, **{"engine.sequence_parallel_size": 2}), nproc=2)
@@ -221,23 +217,24 @@ def sp2_run(tmp_path_factory, model_path, chat_rows):
     return out, overrides
 
 
-def assert_same_step_2(straight_run, resumed_run) -> None:
-    """The resumed run's step 2 is the straight SP=2 run's: loss, validation loss, and the
-    token counts every rank's shares (its slices') add up to."""
-    straight, after = read_metrics(straight_run)[-1], read_metrics(resumed_run)[-1]
-    keys = ("train/loss", "val/loss", "train/tokens", "train/loss_tokens", "perf/padding_efficiency")
-    print({key: (straight[key], after[key]) for key in keys})
-    assert straight["step"] == after["step"] == 2
-    for key in ("train/tokens", "train/loss_tokens"):
-        assert straight[key] == after[key]
-    for key in ("train/loss", "val/loss"):
-        assert abs(straight[key] - after[key]) <= 1e-5 * after[key], (key, straight[key], after[key])
+def assert_same_steps_2_and_3(straight_run, resumed_run) -> None:
+    """The resumed run's steps 2 and 3 are the straight SP=2 run's: the token counts every rank's
+    shares (its slices') add up to, loss, unclipped gradient norm (step 2's at the weights both
+    loaded, step 3's after an update of each) and the final validation loss (1e-5: the slices'
+    sums are added in another order)."""
+    straight, resumed = train_steps(straight_run), train_steps(resumed_run)
+    assert sorted(resumed) == [2, 3]
+    assert_same_steps(resumed, straight, [2, 3], rtol=1e-5)
+    assert rel_diff(straight[3]["val/loss"], resumed[3]["val/loss"]) <= 1e-5
 
 
 @pytest.mark.slow
 def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
     """The step-1 checkpoint of the SP=2 run, resumed by one process (SP=1; the ZeRO shards of
-    2 ranks converted), trains step 2 as the SP=2 run did."""
+    2 ranks converted), trains steps 2 and 3 as the SP=2 run did: the gradients of SP=2 through
+    TrainingWorker (its loss-token count over the SP group) against SP=1's.
+    Planted: the worker's `// self.sp_size` on the all-reduced loss-token count dropped (SP=2
+    counts every token twice): <FILLED IN>."""
     sp2, overrides = sp2_run
     checkpoint = sp2 / "checkpoints" / "global_step_1"
     resumed = tmp_path / "resumed"
@@ -245,14 +242,16 @@ def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert f"resumed from {checkpoint} at step 1 (written by a spmd run with 1 data-parallel ranks, now 1)" \
         in proc.stdout
-    assert_same_step_2(sp2, resumed)
+    assert_same_steps_2_and_3(sp2, resumed)
     # SP pads each row to a multiple of 2 tokens; one process has no padding.
     assert read_metrics(sp2)[-1]["perf/padding_efficiency"] < read_metrics(resumed)[-1]["perf/padding_efficiency"] == 1
 
 
 @pytest.mark.slow
 def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
-    """The same checkpoint resumed by a Ray driver over 2 workers with SP=2: the same step 2."""
+    """The same checkpoint resumed by a Ray driver over 2 workers with SP=2 (the driver counts
+    the loss tokens): the same steps 2 and 3.
+    Planted: the driver's count doubled (hpsft/ray/data_parallel.py): <FILLED IN>."""
     sp2, overrides = sp2_run
     on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
     try:
@@ -263,4 +262,4 @@ def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert_same_step_2(sp2, on_ray)
+    assert_same_steps_2_and_3(sp2, on_ray)
