@@ -84,7 +84,8 @@ def test_dp_and_micro_batch_invariance(tmp_path, model_path, one_process_run, sp
 def test_stop_and_resume_reproduces_the_run(tmp_path, tiny_chat_model, tiny_data):
     """6 steps straight == 3 steps, stop, resume, 3 more (mid-epoch, then across an epoch
     boundary), with token-budget micro-batches.
-    Planted: <FILLED IN>."""
+    Planted: the checkpoint loaded without its optimizer state: steps 5 and 6 off by up to 2.9e-2
+    (grad norm) and 4.3e-3 (loss)."""
     train, val = tiny_data
     common = {"data.train_batch_size": 4, "data.max_tokens_per_micro_batch": 128, "data.max_length": 128,
               "trainer.total_steps": 6,
