@@ -195,7 +195,8 @@ def test_ray_matches_spmd(tmp_path, tiny_chat_model, data, ray_address, mixture,
     the final weights (fp32), per-dataset train and val losses (the SPMD ranks all-reduce them,
     the driver adds up its workers').
     The Ray run also logs to W&B (offline) from the driver and profiles step 2 on both workers.
-    Planted: the driver's loss-token count doubled (hpsft/ray/data_parallel.py): <FILLED IN>."""
+    Planted: the driver's loss-token count doubled (hpsft/ray/data_parallel.py): every step's
+    grad norm half SPMD's (rel diff 0.5), the losses 3.5e-5 apart by step 3."""
     train, val = data
     spmd, on_ray = spmd_run, tmp_path / "ray"
     tracking = {"trainer.loggers": "[jsonl,wandb]", "trainer.profile_steps": "[2,2]", "trainer.profile_ranks": "[0,1]"}
@@ -243,10 +244,11 @@ def zero3_run(tmp_path_factory, tiny_chat_model, data, ray_address):
 @pytest.mark.slow
 def test_a_ray_checkpoint_resumes_under_torchrun_and_back(tmp_path, tiny_chat_model, data, zero3_run):
     """Ray's step-2 checkpoint -> torchrun (2 ranks) trains step 3 and saves it -> a new Ray
-    driver resumes that (named by trainer.resume) and trains step 4: every step's loss and the
-    final weights are the uninterrupted Ray run's (1e-5: the two paths give their ranks other
+    driver resumes that (named by trainer.resume) and trains step 4: every step's counts, loss
+    and grad norm, and the final weights, are the uninterrupted Ray run's (1e-5: the two paths give their ranks other
     shards of a batch). A new driver resuming from its own run's latest checkpoint: the SIGTERM
-    test below."""
+    test below. Planted: the driver's loss-token count doubled: torchrun's step 3 has twice the
+    straight Ray run's grad norm, its loss equal."""
     train, val = data
     out = tmp_path / "run"
     checkpoint = zero3_run / "checkpoints" / "global_step_2"
@@ -504,7 +506,7 @@ def two_node_run(tmp_path_factory, tiny_chat_model, data, mixture, two_nodes):
 def test_two_nodes_one_rank_each_match_spmd(two_nodes, two_node_run, spmd_run):
     """One rank on each of two Ray nodes == 2 torchrun ranks on one: every step's samples, loss
     and unclipped gradient norm, and the final weights.
-    Planted: the driver's loss-token count doubled: <FILLED IN>."""
+    Planted: the driver's loss-token count doubled: every step's grad norm half SPMD's."""
     out, stdout = two_node_run
     assert "hpsft: launcher ray: world size 2, 2 node(s), 1 rank(s) per node" in stdout
     ranks = placement(stdout)

@@ -252,7 +252,8 @@ def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
 def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
     """The same checkpoint resumed by a Ray driver over 2 workers with SP=2 (the driver counts
     the loss tokens): the same steps 2 and 3.
-    Planted: the driver's count doubled (hpsft/ray/data_parallel.py): <FILLED IN>."""
+    Planted: the driver's count doubled (hpsft/ray/data_parallel.py): grad norms of steps 2 and
+    3 half the SPMD run's, step 3's loss 7.3e-5 off."""
     sp2, overrides = sp2_run
     on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
     try:
