@@ -12,7 +12,7 @@ MODEL_DEMO := .cache/models/smollm2-135m-4l
 MODEL_TEST := .cache/models/smollm2-135m-2l
 DATA := .cache/data/chatterbot
 
-.PHONY: demo test install model data bench clean-venv
+.PHONY: demo test test-fast install model data bench clean-venv
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
@@ -54,6 +54,10 @@ demo: model data
 # The whole suite (CPU, gloo, real model and data).
 test: model data
 	$(PY) -m pytest tests --durations=30 $(PYTEST_ARGS)
+
+# The quick loop: each subsystem's cheapest strong test (tests/conftest.py FAST_TESTS, docs/testing.md).
+test-fast: model data
+	$(PY) -m pytest tests -m fast --durations=10 $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

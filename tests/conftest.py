@@ -73,7 +73,12 @@ FAST_TESTS = (
     "tests/test_packing.py::test_packed_forward_equals_each_sequence_alone",  # packing
     "tests/test_packing.py::test_fixed_and_token_budget_splits_give_the_same_loss_and_gradients",
     "tests/test_packing.py::test_micro_batch_plans_place_every_sample_once_within_budget",
-    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward",  # vs HF eager
+    # hpsft's packed loss and gradients against the model's own HF eager forward: a plain family,
+    # a sliding window, soft-caps, sinks
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[llama]",
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[mistral]",
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[gemma2]",
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[gpt_oss]",
     "tests/test_optimizer.py::test_engine_steps_equal_plain_torch_adamw_with_clipping",  # engine
     "tests/test_optimizer.py::test_the_gradient_norm_is_fp64_accurate",
     "tests/test_engine_parts.py::test_gradient_checkpointing_gives_the_same_gradients",
@@ -81,7 +86,7 @@ FAST_TESTS = (
     "tests/test_spmd_training.py::test_dp_and_micro_batch_invariance[fixed]",  # the trainer, 1 vs 2 ranks
     "tests/test_checkpoint_dirs.py::test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used",
     "tests/test_elastic_resume.py::test_a_position_in_samples_gives_every_dp_size_the_same_remaining_steps",
-    "tests/test_elastic_resume.py::test_a_checkpoint_resumes_exactly_with_and_without_zero",
+    "tests/test_elastic_resume.py::test_a_checkpoint_resumes_exactly_with_and_without_zero[ds2-default]",
     "tests/test_run_fingerprint.py::test_differences_name_each_changed_key_old_to_new",
     "tests/test_sequence_parallel.py::test_a_row_cut_across_the_group_keeps_every_label_and_position",
     "tests/test_sequence_parallel.py::test_tiled_mlps_give_the_untiled_gradients_in_tiles",
@@ -89,14 +94,11 @@ FAST_TESTS = (
     "tests/test_ray.py::test_driver_batches_are_the_spmd_ranks_batches_together",
     "tests/test_slurm.py::test_batch_step_process_is_alone_and_srun_tasks_are_ranks",
     "tests/test_fault_tolerance.py::test_first_signal_is_noted_and_a_second_one_kills_at_once",
-    "tests/test_export.py::test_a_checkpoint_without_zero_exports",
-    "tests/test_metrics.py::test_val_loss_is_the_plain_nll_and_other_terms_have_their_own_names",
-    "tests/test_cli_errors.py::test_bad_input_fails_in_one_line_and_writes_nothing",
+    "tests/test_cli_errors.py::test_bad_input_fails_in_one_line_and_writes_nothing[unknown_key]",
     "tests/test_cli_tool.py::test_top_level_help_lists_every_subcommand",
     "tests/test_tracking.py::test_a_credential_in_the_config_is_refused",
     "tests/test_mfu.py::test_the_peak_is_configured_else_a_known_accelerators_datasheet_else_measured",
     "tests/test_trust.py::test_path_inside_refuses_names_leaving_the_folder",
-    "tests/test_trust.py::test_a_planted_pickle_state_file_is_never_unpickled",
     "tests/test_device_selection.py::test_a_rank_takes_its_local_rank_or_its_only_device",
 )
 
