@@ -144,8 +144,10 @@ def test_worker_group_call_timeout_names_the_hung_ranks_and_kills_them(ray_addre
     from hpsft.ray import ClassWithInitArgs, RayWorkerGroup, WorkerHungError
     from hpsft.ray.resource_pool import RayResourcePool
 
-    # 20 s: the timeout bounds the group's start-up calls too (actor processes, imports).
-    group = RayWorkerGroup(RayResourcePool(1, 2, 0.5, 60), ClassWithInitArgs(threading.Event), call_timeout_s=20)
+    # The timeout bounds the group's start-up calls too (actor processes, imports): 120 s for
+    # those (a loaded 2-core machine took more than 20), 20 s from the first call on.
+    group = RayWorkerGroup(RayResourcePool(1, 2, 0.5, 60), ClassWithInitArgs(threading.Event), call_timeout_s=120)
+    group.call_timeout_s = 20
     actors = list(group.actors)
     try:
         assert group.is_set().get() == [False, False]
