@@ -25,12 +25,12 @@ import torch
 
 
 def load_sequences(data: str, model: str, n: int):
-    from hpsft.data.dataset import SFTDataset, load_or_tokenize
+    from hpsft.data.preparation import prepared_store
     from hpsft.data.rows import TokenizeOptions
     from hpsft.models import load_tokenizer
 
     opts = TokenizeOptions("messages", "prompt", "response", "tools", None, 1024, "right", "skip")
-    ds = SFTDataset(load_or_tokenize([data], load_tokenizer(model), opts, ".cache/tokenized"))
+    ds = prepared_store(data, load_tokenizer(model), opts, ".cache/tokenized")
     return [ds[i] for i in range(min(n, len(ds)))]
 
 

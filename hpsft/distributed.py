@@ -1,9 +1,12 @@
 """Process-group set-up for every launcher: none, torchrun, the deepspeed launcher, srun."""
 
 import os
+import shutil
 import socket
 import subprocess
+import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -128,6 +131,25 @@ def sequence_parallel_group(sp_size: int):
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def ranks_sharing(directory: Path) -> tuple[list[int], str]:
+    """The ranks that see the same `directory` as this one (every rank on a shared file
+    system, the ranks of one node on a node-local one), and a name for this start of the job
+    that every rank knows. Each rank leaves a file in `directory/.ranks/<name>/` and lists
+    the others'; two barriers, quick on every rank (nothing slow runs before this)."""
+    attempt = [uuid.uuid4().hex if rank() == 0 else None]
+    if world_size() > 1:
+        dist.broadcast_object_list(attempt, src=0)
+    folder = directory / ".ranks" / attempt[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / str(rank())).touch()
+    barrier()
+    team = sorted(int(p.name) for p in folder.iterdir())
+    barrier()  # every rank has listed the folder: its first rank removes it
+    if rank() == team[0]:
+        shutil.rmtree(folder, ignore_errors=True)
+    return team, attempt[0]
 
 
 def on_rank0_then_share(fn):

@@ -2,15 +2,18 @@
 
     hpsft inspect-data --config configs/sft.yaml [key=value ...] [--rows 3]
 
-For the first `--rows` conversations of data.train_files: the text as the model sees it
-(the chat template applied), with the tokens the loss is taken on marked: green on a
-terminal, between [[ and ]] otherwise (--color). Then, over the rows (all of them, or
-the first --stats-rows): token lengths (percentiles and a histogram), how many rows
-data.max_length would drop or truncate, and how many rows are refused and why.
-Nothing is written.
+For the first `--rows` conversations of data.train_files: each sequence the row trains (the
+chat template applied, data.multiturn and data.truncation too), with the tokens the loss is
+taken on marked: green on a terminal, between [[ and ]] otherwise (--color). Then, over the
+rows (all of them, or the first --stats-rows): token lengths of the sequences (percentiles
+and a histogram), how many rows are over data.max_length and what data.truncation does with
+them, the counts of the data stage (rows split, expanded per turn, dropped: docs/data.md),
+and how many rows are refused and why. Nothing is written.
 """
 
 import argparse
+import dataclasses
+import json
 import math
 import sys
 from collections import Counter
@@ -18,8 +21,10 @@ from pathlib import Path
 
 from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.rows import TokenizeOptions, read_rows, row_to_messages
+from hpsft.data.preparation import MANIFEST, is_store, summary_text
+from hpsft.data.row_sequences import OverMaxLength, row_sequences
+from hpsft.data.rows import TokenizeOptions, read_rows
+from hpsft.data.shards import expand_entry
 from hpsft.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.loading import check_model_path, load_tokenizer
 
@@ -58,25 +63,48 @@ def histogram(lengths: list[int], bins: int = 10, width: int = 40) -> list[str]:
             f"{'#' * round(width * counts.get(b, 0) / peak)}" for b in range((high - low) // step + 1)]
 
 
-def length_report(lengths: list[int], refused: Counter, opts: TokenizeOptions) -> list[str]:
-    lines = [f"rows: {len(lengths) + sum(refused.values())} read, {len(lengths)} tokenized, "
-             f"{sum(refused.values())} refused"]
+EFFECTS = {"error": "stop the run (data.truncation=error)", "left": "be cut from the left",
+           "right": "be cut from the right", "turns": "keep their leading whole turns (data.truncation=turns)",
+           "split": "be split at turn boundaries (data.truncation=split)"}
+
+
+def length_report(lengths: list[int], rows: int, refused: Counter, counts: Counter,
+                  opts: TokenizeOptions) -> list[str]:
+    """`lengths`: of the sequences the `rows` tokenized rows train (under data.truncation=error,
+    of those that would stop the run too); `counts`: the data stage's, summed over the rows."""
+    lines = [f"rows: {rows + sum(refused.values())} read, {rows} tokenized, {sum(refused.values())} refused"]
     for reason, count in refused.most_common(5):
         lines.append(f"  refused ({count}): {reason}")
+    if not rows:
+        return lines
+    over = counts["over_max_length_rows"]
+    effect = EFFECTS[opts.truncation]
+    if opts.truncation == "error" and opts.bad_rows == "skip":
+        effect = "be skipped (data.bad_rows=skip)"
+    lines.append(f"rows over data.max_length={opts.max_length}: {over} ({100 * over / rows:.1f}%), "
+                 f"which would {effect}")
+    if counts:
+        lines.append("counts: " + ", ".join(f"{name}={n}" for name, n in sorted(counts.items())))
     if not lengths:
         return lines
     ordered = sorted(lengths)
-    lines.append("tokens per row: " + ", ".join(
+    lines.append(f"tokens per sequence ({len(ordered)} sequences): " + ", ".join(
         f"p{q}={percentile(ordered, q)}" for q in (50, 90, 99)) + f", max={ordered[-1]}, total={sum(ordered)}")
-    over = sum(n > opts.max_length for n in lengths)
-    effect = {"error": "stop the run (data.truncation=error)", "left": "be cut from the left",
-              "right": "be cut from the right"}[opts.truncation]
-    if opts.truncation == "error" and opts.bad_rows == "skip":
-        effect = "be skipped (data.bad_rows=skip)"
-    lines.append(f"rows over data.max_length={opts.max_length}: {over} ({100 * over / len(lengths):.1f}%), "
-                 f"which would {effect}")
-    lines.append("histogram of tokens per row:")
+    lines.append("histogram of tokens per sequence:")
     return lines + histogram(lengths)
+
+
+def input_files(sources) -> list[Path]:
+    """The data files of the entries (files, folders, globs); a prepared token store has no
+    rows to show, only what it holds."""
+    files = []
+    for source in sources:
+        if is_store(source.path):
+            manifest = json.loads((Path(source.path) / MANIFEST).read_text())
+            print(f"=== {source.path}: a prepared token store: {summary_text(manifest)}")
+        else:
+            files += expand_entry(source.path)
+    return files
 
 
 @exits_2_on_user_error
@@ -99,23 +127,34 @@ def main(argv=None) -> int:
                              "data.chat_template=<Jinja text or .jinja file>")
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     marks = COLOR_MARKS if color else PLAIN_MARKS
-    lengths, refused, shown = [], Counter(), 0
-    for path in (Path(source.path) for source in config.data.train_sources()):
+    # Under data.truncation=error a row over data.max_length stops the run: it is shown and
+    # measured as it renders, without a limit.
+    unlimited = dataclasses.replace(opts, max_length=sys.maxsize)
+    lengths, rows, refused, counts, shown = [], 0, Counter(), Counter(), 0
+    for path in input_files(config.data.train_sources()):
         for row_idx, row in enumerate(read_rows(path)):
-            if args.stats_rows is not None and len(lengths) + sum(refused.values()) >= args.stats_rows:
+            if args.stats_rows is not None and rows + sum(refused.values()) >= args.stats_rows:
                 break
             try:
-                messages, tools = row_to_messages(row, opts)
-                ids, mask = tokenize_conversation(tokenizer, messages, tools, opts.chat_template)
+                result = row_sequences(row, tokenizer, opts)
+            except OverMaxLength:
+                result = row_sequences(row, tokenizer, unlimited)
+                counts["over_max_length_rows"] += 1
             except BadRow as err:
                 refused[str(err)] += 1
                 continue
-            lengths.append(len(ids))
+            rows += 1
+            counts.update(result.counts)
+            lengths += [len(ids) for ids, _ in result.sequences]
             if shown < args.rows:
                 shown += 1
-                print(f"=== {path} row {row_idx}: {len(ids)} tokens, {sum(mask)} supervised")
-                print(marked_text(tokenizer, ids, mask, marks))
-    print("\n".join(length_report(lengths, refused, opts)))
+                if result.dropped:
+                    print(f"=== {path} row {row_idx}: dropped, {result.dropped}")
+                for i, (ids, mask) in enumerate(result.sequences):
+                    which = f"sequence {i + 1} of {len(result.sequences)}, " if len(result.sequences) > 1 else ""
+                    print(f"=== {path} row {row_idx}: {which}{len(ids)} tokens, {sum(mask)} supervised")
+                    print(marked_text(tokenizer, ids, mask, marks))
+    print("\n".join(length_report(lengths, rows, refused, counts, opts)))
     return 0
 
 

@@ -186,3 +186,17 @@ def device_peak(configured: float | None, device: torch.device, dtype: torch.dty
         return known
     return PeakFlops.measured(lambda: measure_matmul_peak(*gemm_shape, dtype, device),
                               f"median GEMM {'x'.join(map(str, gemm_shape))} {dtype} on {device}")
+
+
+def rss_anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon of /proc/self/status: what it holds
+    itself, not the mapped files, such as the token store, that the page cache holds); 0 where
+    the kernel does not show it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import SFTDataset, load_or_tokenize
+from hpsft.data.preparation import prepared_store
 from hpsft.data.rows import DataError, TokenizeOptions
 from hpsft.errors import UserInputError
 from tests.conftest import write_jsonl, write_parquet
@@ -72,7 +72,7 @@ def test_default_system_prompt_and_single_turn(tokenizer):
 def test_parquet_and_jsonl_prompt_response(tmp_path, tokenizer):
     rows = [{"prompt": "What is 2+2?", "response": "4."}, {"prompt": "Capital of France?", "response": "Paris."}]
     for path in (write_jsonl(rows, tmp_path / "d.jsonl"), write_parquet(rows, tmp_path / "d.parquet")):
-        ds = SFTDataset(load_or_tokenize([path], tokenizer, options(), tmp_path / "cache"))
+        ds = prepared_store(path, tokenizer, options(), tmp_path / "cache")
         assert len(ds) == 2
         item = ds[1]
         assert tokenizer.decode(item["input_ids"][item["loss_mask"]]) == "Paris.<|im_end|>"
@@ -82,10 +82,10 @@ def test_truncation_policies(tmp_path, tokenizer):
     long = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok " * 50}]}
     path = write_jsonl([long], tmp_path / "long.jsonl")
     with pytest.raises(DataError, match=r"long\.jsonl row 0: sequence has \d+ tokens > data.max_length=64"):
-        load_or_tokenize([path], tokenizer, options(max_length=64), tmp_path / "c")
-    full = SFTDataset(load_or_tokenize([path], tokenizer, options(max_length=4096), tmp_path / "c"))[0]
-    right = SFTDataset(load_or_tokenize([path], tokenizer, options(max_length=64, truncation="right"), tmp_path / "c"))[0]
-    left = SFTDataset(load_or_tokenize([path], tokenizer, options(max_length=64, truncation="left"), tmp_path / "c"))[0]
+        prepared_store(path, tokenizer, options(max_length=64), tmp_path / "c")
+    full = prepared_store(path, tokenizer, options(max_length=4096), tmp_path / "c")[0]
+    right = prepared_store(path, tokenizer, options(max_length=64, truncation="right"), tmp_path / "c")[0]
+    left = prepared_store(path, tokenizer, options(max_length=64, truncation="left"), tmp_path / "c")[0]
     assert torch.equal(right["input_ids"], full["input_ids"][:64])
     assert torch.equal(left["input_ids"], full["input_ids"][-64:])
     assert torch.equal(left["loss_mask"], full["loss_mask"][-64:])
@@ -122,6 +122,10 @@ CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"c
         ({"messages": [*QUESTION, {"role": "tool", "tool_call_id": 7, "content": "{}"}, *ANSWER]},
          "message 1 tool_call_id must be a string, got int"),
         ({"messages": [*QUESTION, *ANSWER], "tools": "[{broken"}, "tools are not valid JSON"),
+        ({"messages": [dict(QUESTION[0], weight=1), *ANSWER]}, "message 0 has a weight but role 'user'"),
+        ({"messages": [*QUESTION, dict(ANSWER[0], weight=0.5)]},
+         "message 1 weight must be 0 (context only) or 1 (trained), got 0.5"),
+        ({"messages": [*QUESTION, dict(ANSWER[0], weight=0)]}, "every assistant turn has weight 0: nothing to learn"),
         ({"messages": [*QUESTION, *ANSWER], "tools": [{"name": "f"}]}, "tools must be a list of {'type': 'function'"),
     ],
 )
@@ -129,29 +133,33 @@ def test_bad_row_names_file_and_row(tmp_path, tokenizer, row, message):
     good = {"messages": CONVERSATION}
     path = write_jsonl([good, good, row], tmp_path / "bad.jsonl")
     with pytest.raises(DataError) as err:
-        load_or_tokenize([path], tokenizer, options(), tmp_path / "c")
+        prepared_store(path, tokenizer, options(), tmp_path / "c")
     assert "bad.jsonl row 2:" in str(err.value) and message in str(err.value)
-    skipped = load_or_tokenize([path], tokenizer, options(bad_rows="skip"), tmp_path / "c")
-    assert skipped["skipped_rows"] == 1 and skipped["offsets"].numel() == 3
+    skipped = prepared_store(path, tokenizer, options(bad_rows="skip"), tmp_path / "c")
+    assert skipped.skipped_rows == 1 and len(skipped) == 2
 
 
 def test_invalid_json_line(tmp_path, tokenizer):
     path = tmp_path / "broken.jsonl"
     path.write_text(json.dumps({"messages": CONVERSATION}) + "\n{not json\n")
     with pytest.raises(DataError, match=r"broken\.jsonl row 1: not valid JSON"):
-        load_or_tokenize([str(path)], tokenizer, options(), tmp_path / "c")
+        prepared_store(str(path), tokenizer, options(), tmp_path / "c")
 
 
 def test_cache_is_reused_and_keyed_by_contents(tmp_path, tokenizer):
     path = write_jsonl([{"messages": CONVERSATION}], tmp_path / "d.jsonl")
     cache = tmp_path / "cache"
-    first = load_or_tokenize([path], tokenizer, options(), cache)
-    assert len(list(cache.glob("*.pt"))) == 1
-    again = load_or_tokenize([path], tokenizer, options(), cache)
-    assert torch.equal(first["input_ids"], again["input_ids"]) and len(list(cache.glob("*.pt"))) == 1
+
+    def stores():
+        return [d for d in cache.iterdir() if (d / "store.json").is_file()]
+
+    first = prepared_store(path, tokenizer, options(), cache)
+    assert len(stores()) == 1
+    again = prepared_store(path, tokenizer, options(), cache)
+    assert torch.equal(first[0]["input_ids"], again[0]["input_ids"]) and len(stores()) == 1
     write_jsonl([{"messages": CONVERSATION[:3]}], tmp_path / "d.jsonl")  # new contents, new entry
-    changed = load_or_tokenize([path], tokenizer, options(), cache)
-    assert len(list(cache.glob("*.pt"))) == 2 and changed["input_ids"].numel() < first["input_ids"].numel()
+    changed = prepared_store(path, tokenizer, options(), cache)
+    assert len(stores()) == 2 and changed[0]["input_ids"].numel() < first[0]["input_ids"].numel()
 
 
 def test_token_merging_generation_prompt_and_content_stays_unsupervised(tokenizer):

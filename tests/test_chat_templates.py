@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import load_or_tokenize, tokenize_files
+from hpsft.data.preparation import prepared_store
 from hpsft.data.rows import DataError
 from tests.conftest import write_jsonl, write_parquet
 from tests.test_chat_data import options, spans
@@ -144,11 +144,13 @@ def test_tool_calls_from_parquet_equal_jsonl(tmp_path, model_tokenizers):
         {"messages": MULTI_TURN, "tools": None},
     ]
     opts = options(chat_template=template)
-    from_jsonl = tokenize_files([Path(write_jsonl(rows, tmp_path / "d.jsonl"))], tok, opts)
-    from_parquet = tokenize_files([Path(write_parquet(rows, tmp_path / "d.parquet"))], tok, opts)
-    for key in ("input_ids", "loss_mask", "offsets"):
-        assert from_parquet[key].tolist() == from_jsonl[key].tolist()
-    first = tok.decode(from_parquet["input_ids"][: from_parquet["offsets"][1]])
+    from_jsonl = prepared_store(write_jsonl(rows, tmp_path / "d.jsonl"), tok, opts, tmp_path / "c")
+    from_parquet = prepared_store(write_parquet(rows, tmp_path / "d.parquet"), tok, opts, tmp_path / "c")
+    assert len(from_parquet) == len(from_jsonl) == len(rows)
+    for i in range(len(rows)):
+        for key in ("input_ids", "loss_mask"):
+            assert from_parquet[i][key].tolist() == from_jsonl[i][key].tolist()
+    first = tok.decode(from_parquet[0]["input_ids"])
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in first
     assert '"properties": {"city": {"type": "string"}}, "required": ["city"]' in first
 
@@ -205,13 +207,13 @@ def test_raising_template_names_the_row_and_can_be_skipped(tmp_path, model_token
             {"messages": MULTI_TURN}]
     path = write_jsonl(rows, tmp_path / "chats.jsonl")
     with pytest.raises(DataError) as err:
-        load_or_tokenize([path], tok, options(chat_template=template), tmp_path / "c")
+        prepared_store(path, tok, options(chat_template=template), tmp_path / "c")
     assert str(err.value) == (
         f"{path} row 1: the chat template refused the conversation: Conversation roles must alternate "
         "user/assistant/user/assistant/... (set data.bad_rows=skip to skip such rows)"
     )
-    data = load_or_tokenize([path], tok, options(chat_template=template, bad_rows="skip"), tmp_path / "c")
-    assert data["skipped_rows"] == 1 and data["offsets"].numel() == 3
+    data = prepared_store(path, tok, options(chat_template=template, bad_rows="skip"), tmp_path / "c")
+    assert data.skipped_rows == 1 and len(data) == 2
 
 
 def test_template_expecting_string_arguments_is_refused(tokenizer):

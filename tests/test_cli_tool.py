@@ -58,6 +58,39 @@ def test_inspect_data_marks_exactly_the_loss_mask(tmp_path, model_path, tokenize
     assert f"max={max(lengths)}, total={sum(lengths)}" in proc.stdout
 
 
+def test_inspect_data_shows_the_split_sequences_and_the_counts(tmp_path, model_path, tokenizer, capsys):
+    """Under data.truncation=split, on real ShareGPT rows: every shown sequence is within
+    data.max_length, the marked runs of a row's sequences are its assistant turns, each once
+    (but the counted dropped ones), and the counts line adds up to the rows over the limit."""
+    from hpsft.assets.chat_corpora import sharegpt_conversations
+    from hpsft.inspect_data import main as inspect_data
+
+    rows = sharegpt_conversations(12)
+    train = write_parquet([{"messages": c} for c in rows], tmp_path / "train.parquet")
+    assert inspect_data([f"model.path={model_path}", f"data.train_files=[{train}]", "data.max_length=512",
+                         "data.truncation=split", "--rows", str(len(rows)), "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    over = sum(len(tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"])
+               > 512 for c in rows)
+    assert 3 <= over < len(rows) and f"rows over data.max_length=512: {over} " in out
+    counts = dict(pair.split("=") for pair in re.search(r"^counts: (.*)$", out, re.M).group(1).split(", "))
+    counts = {name: int(n) for name, n in counts.items()}
+    assert counts["over_max_length_rows"] == over == counts["split_rows"] + counts.get("dropped_over_max_length", 0)
+    shown = re.split(r"^=== .* row (\d+): (?:sequence \d+ of \d+, )?(\d+) tokens, \d+ supervised$", out, flags=re.M)
+    runs = {i: [] for i in range(len(rows))}
+    for row_idx, length, text in zip(shown[1::3], shown[2::3], shown[3::3]):
+        assert int(length) <= 512
+        runs[int(row_idx)] += re.findall(r"\[\[(.*?)\]\]", text, flags=re.S)
+    dropped = 0
+    for i, conversation in enumerate(rows):
+        turns = [m["content"] + "<|im_end|>" for m in conversation if m["role"] == "assistant"]
+        assert all(runs[i].count(run) == 1 and run in turns for run in runs[i])
+        dropped += len(turns) - len(runs[i])
+    assert dropped == counts.get("dropped_turns", 0)
+    assert counts["split_sequences"] == sum(len(re.findall(rf"^=== .* row {i}: ", out, re.M))
+                                            for i in range(len(rows)) if f"row {i}: sequence 1 of " in out)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, model_path, chat_rows):
     """A real 2-step run with an exported hf/ folder."""

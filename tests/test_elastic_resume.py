@@ -13,43 +13,6 @@ STEP_RTOL = 2e-6  # fp32, the dp sizes sum gradients in other orders: measured u
 RESHARD_RTOL = 1e-6  # measured: at most 8.7e-8 (fp32), 0 (bf16: its per-row gradients add up exactly in fp32)
 
 
-@pytest.mark.parametrize("weights", [None, [3.0, 1.0]], ids=["concatenated", "mixture"])
-def test_a_position_in_samples_gives_every_dp_size_the_same_remaining_steps(weights):
-    """From any whole-step position, the steps left in the epoch (the union of every rank's
-    batch, or the Ray driver's global batch) are the samples a straight 1-rank run consumes
-    next: for the files concatenated and for a weighted mixture of two sources."""
-    from torch.utils.data import BatchSampler
-
-    from hpsft.data.sampler import training_sampler
-    from hpsft.data.sources import SourcedDataset
-    from hpsft.ray.sampler import RankInterleavedSampler
-
-    dataset, global_batch = SourcedDataset([list(range(12)), list(range(7))], ["a", "b"], 8, "lists"), 4
-
-    def remaining_steps(dp: int, epoch: int, position: int) -> list[set]:
-        per_rank = []
-        for rank in range(dp):
-            sampler = training_sampler(dataset, weights, dp, rank, shuffle=True, seed=3)
-            sampler.set_position(epoch, position)
-            per_rank.append(list(BatchSampler(sampler, global_batch // dp, drop_last=True)))
-        assert len({len(batches) for batches in per_rank}) == 1
-        return [set().union(*step) for step in zip(*per_rank)]
-
-    def remaining_driver_steps(dp: int, epoch: int, position: int) -> list[set]:
-        driver = RankInterleavedSampler(dataset, weights, dp, global_batch // dp, shuffle=True, seed=3)
-        driver.set_position(epoch, position)
-        return [set(batch) for batch in BatchSampler(driver, global_batch, drop_last=True)]
-
-    for epoch in (0, 1):
-        straight = remaining_steps(1, epoch, 0)
-        assert len(straight) == 4 and straight != remaining_steps(1, 1 - epoch, 0)
-        for dp in (1, 2, 4):
-            for steps_done in range(5):
-                position = steps_done * global_batch
-                assert remaining_steps(dp, epoch, position) == straight[steps_done:], (dp, steps_done)
-                assert remaining_driver_steps(dp, epoch, position) == straight[steps_done:], (dp, steps_done)
-
-
 def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     import random
 

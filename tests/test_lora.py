@@ -1,34 +1,98 @@
-"""LoRA (PEFT) runs: only the adapters train and are checkpointed, a resume continues the
-run exactly, and both exports (merged model, adapter alone) compute the trained model; under
-ZeRO-3 with 2 ranks (gloo, CPU), where the base model is built partitioned."""
+"""LoRA (PEFT) runs: only the adapters train and are checkpointed, their gradients are PEFT's
+on the model's own loss, a resume with another rank count continues the run exactly, and both
+exports (merged model, adapter alone) compute the trained model; under ZeRO-3 with 2 ranks
+(gloo, CPU), where the base model is built partitioned."""
 
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, base_overrides, read_metrics, run_cli
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet
 from tests.test_export import folder_weights
 from tests.test_spmd_training import assert_ok, rel_diff
 
 CHECK_SCRIPT = str(REPO / "tests" / "dist_scripts" / "train_lora_and_check.py")
 LOGIT_RTOL = 1e-5  # fp32: merged W + s*B@A vs the adapter's separate path; measured ~6e-7
+RANK, ALPHA, LR, SEED = 4, 8, 1e-3, 0
 
 
 def lora_overrides(model_path, train, val, out_dir, **extra) -> list[str]:
-    # 4 sequences per step, 2 per rank; peak FLOPs given: no start-up GEMM measurement.
+    # Every step trains on all 4 conversations of `train` (2 per rank): the reference below
+    # knows each step's batch. A constant LR; peak FLOPs given: no start-up GEMM measurement.
     return base_overrides(model_path, train, val, out_dir, **{
-        "model.lora.rank": 4, "model.lora.alpha": 8, "engine.zero_stage": 3, "data.train_batch_size": 4,
+        "model.lora.rank": RANK, "model.lora.alpha": ALPHA, "engine.zero_stage": 3, "data.train_batch_size": 4,
         "data.micro_batch_size_per_gpu": 2, "trainer.total_steps": 4, "trainer.save_every": 2,
+        "optim.lr": LR, "optim.lr_scheduler": "constant", "trainer.seed": SEED,
         "trainer.peak_flops_per_device": 1e12, **extra})
 
 
+def peft_reference_steps(model_path: str, train: str, steps: int) -> list[dict]:
+    """Loss and unclipped adapter-gradient norm of the first `steps` steps of lora_overrides'
+    run, each step on every conversation of `train`: PEFT's get_peft_model on the model's own
+    eager forward and masked-label loss (each conversation alone, weighted by its loss tokens
+    over the step's), the norm in fp64, clipped as DeepSpeed clips, torch's AdamW. Only the
+    initial adapters come from hpsft (add_lora's seeded A, B = 0), copied in by name."""
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpsft.config.schema import LoraConfig, OptimConfig
+    from hpsft.data.chat_tokenize import tokenize_conversation
+    from hpsft.models.lora import add_lora
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    examples = []
+    for row in pq.read_table(train).to_pylist():
+        ids, mask = (torch.tensor(x) for x in tokenize_conversation(tokenizer, row["messages"]))
+        examples.append((ids[None], torch.where(mask.bool(), ids, -100)[None], int(mask[1:].sum())))
+    step_tokens = sum(n for _, _, n in examples)
+    initial = dict(add_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+                            LoraConfig(rank=RANK, alpha=ALPHA), SEED).named_parameters())
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear"))
+    adapters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        for name, p in adapters:
+            p.copy_(initial[name.removeprefix("base_model.model.")])
+    optim = OptimConfig(lr=LR)
+    optimizer = torch.optim.AdamW([p for _, p in adapters], lr=LR, betas=tuple(optim.betas), eps=optim.eps,
+                                  weight_decay=optim.weight_decay)  # adapters are 2-D: all decayed
+    results = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = 0.0
+        for ids, labels, n in examples:
+            term = model(input_ids=ids, labels=labels, use_cache=False).loss * n / step_tokens
+            term.backward()
+            loss += float(term.detach())
+        norm = float(torch.sqrt(sum(p.grad.double().square().sum() for _, p in adapters)))
+        if norm + 1e-6 > optim.grad_clip:
+            for _, p in adapters:
+                p.grad.mul_(optim.grad_clip / (norm + 1e-6))
+        optimizer.step()
+        results.append({"train/loss": loss, "train/grad_norm": norm})
+    return results
+
+
+def assert_same_steps(ours: dict, reference: dict, steps, loss_rtol: float, grad_norm_rtol: float) -> None:
+    """Loss and unclipped gradient norm of each step: clipping binds and Adam is nearly
+    scale-invariant, so a wrong gradient scale shows in the norm only."""
+    for step in steps:
+        for metric, rtol in (("train/loss", loss_rtol), ("train/grad_norm", grad_norm_rtol)):
+            assert rel_diff(ours[step][metric], reference[step][metric]) <= rtol, (step, metric, ours[step], reference[step])
+
+
 @pytest.mark.slow
-def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_path, model_path, tiny_data):
+def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_path, model_path, chat_rows):
+    """Planted: the engine's backward without its dp_size factor (2 ranks' adapter gradients
+    halved): failed on step 1's gradient norm, 0.92 against PEFT's 1.84."""
+    train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
     out = tmp_path / "run"
-    assert_ok(run_cli(None, lora_overrides(model_path, *tiny_data, out), nproc=2, script=CHECK_SCRIPT))
+    assert_ok(run_cli(None, lora_overrides(model_path, train, val, out), nproc=2, script=CHECK_SCRIPT))
     check = json.loads((out / "lora_check.json").read_text())
     print(f"\nlogits: merged vs adapter {check['merged_vs_adapter']:.1e}, engine vs adapter "
           f"{check['engine_vs_adapter']:.1e}, base vs adapter {check['base_vs_adapter']:.1e}")
@@ -44,6 +108,12 @@ def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_p
     assert check["merged_vs_adapter"] < LOGIT_RTOL and check["engine_vs_adapter"] < LOGIT_RTOL
     assert check["base_vs_adapter"] > 1e-3
 
+    # Steps 1-2 are PEFT's: step 1's gradient is B's alone (B = 0 zeroes A's), step 2's both.
+    straight = {m["step"]: m for m in read_metrics(out)}
+    reference = dict(enumerate(peft_reference_steps(model_path, train, 2), start=1))
+    print("steps 1-2, ours vs PEFT:", [(straight[s]["train/grad_norm"], reference[s]["train/grad_norm"]) for s in (1, 2)])
+    assert_same_steps(straight, reference, (1, 2), loss_rtol=1e-5, grad_norm_rtol=1e-5)  # measured 1.3e-6
+
     # A checkpoint holds the adapters and their optimizer state, not the base model.
     checkpoint = out / "checkpoints" / "global_step_2"
     checkpoint_bytes = sum(p.stat().st_size for p in checkpoint.iterdir())
@@ -51,21 +121,18 @@ def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_p
     print(f"checkpoint {checkpoint_bytes / 2**20:.2f} MiB, model {model_bytes / 2**20:.1f} MiB")
     assert checkpoint_bytes < model_bytes / 20
 
-    # Resumed mid-way (2 ranks again), the run continues as the uninterrupted one did.
+    # Resumed mid-way in one process, the run continues as the 2-rank one did.
     resumed = tmp_path / "resumed"
-    proc = run_cli("hpsft.train", lora_overrides(model_path, *tiny_data, resumed, **{
-        "trainer.resume": checkpoint, "trainer.export_hf": "false"}), nproc=2)
+    proc = run_cli("hpsft.train", lora_overrides(model_path, train, val, resumed, **{
+        "trainer.resume": checkpoint, "trainer.export_hf": "false"}))
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step 2" in proc.stdout
-    straight = {m["step"]: m for m in read_metrics(out)}
     again = {m["step"]: m for m in read_metrics(resumed)}
-    assert sorted(again) == [3, 4]
-    for step in (3, 4):
-        assert again[step]["train/tokens"] == straight[step]["train/tokens"]
-        assert rel_diff(again[step]["train/loss"], straight[step]["train/loss"]) <= 1e-6, step
+    assert sorted(again) == [3, 4] and all(again[s]["train/tokens"] == straight[s]["train/tokens"] for s in again)
+    assert_same_steps(again, straight, (3, 4), loss_rtol=1e-6, grad_norm_rtol=1e-5)
 
     # Other LoRA settings make another run: its checkpoint is refused, naming them.
-    proc = run_cli("hpsft.train", lora_overrides(model_path, *tiny_data, tmp_path / "other", **{
+    proc = run_cli("hpsft.train", lora_overrides(model_path, train, val, tmp_path / "other", **{
         "trainer.resume": checkpoint, "model.lora.rank": 8}))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "model.lora: {rank: 4, alpha: 8.0, dropout: 0.0, target_modules: [all-linear]} -> {rank: 8," in proc.stderr

@@ -6,48 +6,65 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from tests.conftest import base_overrides, read_metrics, run_cli
+from tests.conftest import base_overrides, read_metrics, run_cli, write_parquet
+
+Z_LOSS_WEIGHT, LABEL_SMOOTHING = 1e-3, 0.1
+RTOL = 1e-5  # hpsft's fp32 sums against the fp64 reference
 
 
-def independent_nll(model_dir: Path, files: list[str]) -> float:
-    """Token-mean NLL of the conversations in `files` under the model in `model_dir`, each
-    conversation alone through the model's own forward with masked labels."""
+def independent_terms(model_dir: Path, files: list[str]) -> dict:
+    """Token means over the conversations in `files` under the model in `model_dir`, each
+    conversation alone through the model's own forward, from its logits in fp64 (docs/ops.md):
+    nll; z_loss = w * lse^2; objective = F.cross_entropy with label smoothing + w * lse^2."""
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    nll_sum, n_tokens = 0.0, 0
+    sums, n_tokens = {"nll": 0.0, "z_loss": 0.0, "objective": 0.0}, 0
     with torch.no_grad():
         for path in files:
             for row in pq.read_table(path).to_pylist():
                 ids, mask = (torch.tensor(x) for x in tokenize_conversation(tokenizer, row["messages"]))
-                labels = torch.where(mask.bool(), ids, -100)
-                n = int(mask[1:].sum())
-                nll_sum += float(lm(input_ids=ids[None], labels=labels[None], use_cache=False).loss) * n
-                n_tokens += n
-    return nll_sum / n_tokens
+                supervised = mask[1:].bool()  # position t predicts token t + 1
+                logits = lm(input_ids=ids[None], use_cache=False).logits[0, :-1][supervised].double()
+                targets = ids[1:][supervised]
+                z_loss = Z_LOSS_WEIGHT * logits.logsumexp(-1) ** 2
+                sums["nll"] += float(F.cross_entropy(logits, targets, reduction="sum"))
+                sums["z_loss"] += float(z_loss.sum())
+                smoothed = F.cross_entropy(logits, targets, label_smoothing=LABEL_SMOOTHING, reduction="sum")
+                sums["objective"] += float(smoothed + z_loss.sum())
+                n_tokens += int(supervised.sum())
+    return {name: value / n_tokens for name, value in sums.items()}
 
 
-def test_val_loss_is_the_plain_nll_and_other_terms_have_their_own_names(tmp_path, model_path, tiny_data):
-    train, val = tiny_data
+def test_each_loss_term_equals_its_formula_and_val_loss_is_the_plain_nll(tmp_path, model_path, chat_rows):
+    """Step 1 trains on all 8 conversations at the untrained weights: its train/loss,
+    train/z_loss and train/objective equal the NLL, the z-loss and the smoothed cross-entropy
+    + z-loss of the model's own logits (independent_terms); val/loss is the plain NLL of the
+    untrained (step 0) and the exported trained model. Planted: z_loss_weight and
+    label_smoothing swapped where PackedCausalLM hands them to the loss op: failed on
+    train/z_loss (100 x the formula's)."""
+    train = write_parquet([{"messages": c} for c in chat_rows[:8]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:24]], tmp_path / "val.parquet")
     out_dir = tmp_path / "run"
-    # z-loss and label smoothing on: were they in val/loss or train/loss, the checks below fail.
     result = run_cli("hpsft.train", base_overrides(model_path, train, val, out_dir, **{
-        "trainer.total_steps": 1, "loss.z_loss_weight": 1e-3, "loss.label_smoothing": 0.1,
-        "trainer.val_before_train": "true"}))
+        "trainer.total_steps": 1, "data.train_batch_size": 8, "loss.z_loss_weight": Z_LOSS_WEIGHT,
+        "loss.label_smoothing": LABEL_SMOOTHING, "trainer.val_before_train": "true"}))
     assert result.returncode == 0, result.stderr[-3000:]
-    first, last = read_metrics(out_dir)[0], read_metrics(out_dir)[-1]
-    reference = independent_nll(out_dir / "hf", [val])
-    assert abs(last["val/loss"] - reference) <= 1e-5 * reference, (last["val/loss"], reference)
+    before, step = read_metrics(out_dir)
+    untrained = independent_terms(Path(model_path), [train])
+    for name, expected in untrained.items():
+        metric = "train/loss" if name == "nll" else f"train/{name}"
+        assert abs(step[metric] - expected) <= RTOL * expected, (metric, step[metric], expected)
     # trainer.val_before_train: step 0 holds the untrained model's val/loss.
-    assert first["step"] == 0 and set(first) == {"step", "val/loss"}
-    untrained = independent_nll(Path(model_path), [val])
-    assert abs(first["val/loss"] - untrained) <= 1e-5 * untrained, (first["val/loss"], untrained)
-    assert last["train/z_loss"] > 0
-    # Smoothing spreads 10% of the target mass over the vocabulary: the objective is far above the NLL.
-    assert last["train/objective"] > last["train/loss"] + 0.1
+    assert before["step"] == 0 and set(before) == {"step", "val/loss"}
+    expected = independent_terms(Path(model_path), [val])["nll"]
+    assert abs(before["val/loss"] - expected) <= RTOL * expected, (before["val/loss"], expected)
+    expected = independent_terms(out_dir / "hf", [val])["nll"]
+    assert abs(step["val/loss"] - expected) <= RTOL * expected, (step["val/loss"], expected)
 
 
 def test_moe_router_loss_is_trained_and_logged_separately(tmp_path, model_path, tiny_data):

@@ -46,6 +46,13 @@ FAMILIES = {
                                                  **MOE),  # attention sinks, alternating sliding layers
 }
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "gpt_oss"}
+# Random-init attention scores are ~0.03, far below Gemma-2's soft-cap of 5.0, where tanh is
+# the identity to 1e-5: scaling its q and k projections by 16 makes the largest scores ~7.6
+# (measured), past the cap. With the cap dropped in hpsft's attention the worst gradient error
+# is then 0.26 (2.6e-6 unscaled, inside the 1e-5 tolerance). Windows (shorter than the
+# sequences), sinks (drawn below) and scalings (Gemma-3's query_pre_attn_scalar, Granite's
+# attention_multiplier) show without it: each dropped gave a gradient error >= 0.68.
+QK_SCALE = {"gemma2": 16.0}
 
 
 def build_pair(family: str, seed: int = 0):
@@ -62,6 +69,8 @@ def build_pair(family: str, seed: int = 0):
         for name, p in reference.named_parameters():
             if p.ndim == 1 and "norm" not in name:
                 p.normal_(0, 0.1)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_SCALE.get(family, 1.0))
         ours.load_state_dict(reference.state_dict())
     return reference.train(), ours.train()  # dropout is 0 in these configs; train() as in training
 
@@ -110,6 +119,10 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_loss_and_gradients_equal_the_models_own_forward(family):
+    """Catches whatever hpsft's attention or output side drops of a family's computation; each
+    planted once in hpsft/models/varlen_attention.py: the soft-cap dropped (gemma2 failed: loss
+    7.5e-5, with the q/k scaling of QK_SCALE), the sliding window (gemma2, gemma3, gpt_oss,
+    mistral, phi3, qwen2 failed), the sinks (gpt_oss), the scaling (gemma2, gemma3, granite)."""
     reference, ours = build_pair(family)
     samples = sequences()
     out = PackedCausalLM(ours)(**packed_row(collate_jagged(samples)))
@@ -163,17 +176,37 @@ def windowless_attention(module, query, key, value, attention_mask, sliding_wind
     return varlen_attention(module, query, key, value, attention_mask, **kwargs)
 
 
-def test_the_start_up_check_refuses_a_dropped_sliding_window():
+def windowed_mistral(window: int, qk_scale: float, dtype: torch.dtype):
+    """A 2-layer Mistral (random weights) with sliding window `window` under hpsft's attention,
+    its q and k projections scaled by qk_scale (16: attention as sharp as a trained model's)."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**{**SMALL, "max_position_embeddings": window + 256}, sliding_window=window)
+    lm = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_scale)
+    return lm.to(dtype)
+
+
+@pytest.mark.parametrize("window, qk_scale, dtype", [(4096, 1.0, torch.float32), (256, 16.0, torch.bfloat16)])
+def test_the_start_up_check_refuses_a_dropped_sliding_window(window, qk_scale, dtype):
+    """The bug this check exists for, hpsft's attention dropping the window: refused at Mistral's
+    window of 4096 in fp32 with random weights' near-uniform attention (relative log-prob error
+    1.5e-4 against the 1e-5 tolerance; with 8 tokens past the window and the 1e-4 tolerance
+    before, 1.8e-5 passed), and in bf16 at a window of 256 with sharp attention (3.5e-2 against
+    2e-2). hpsft's own attention passes both (1.2e-7, 3.0e-3)."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     from hpsft.models.varlen_attention import no_mask
 
     AttentionInterface.register("test_windowless", windowless_attention)
     AttentionMaskInterface.register("test_windowless", no_mask)
-    _, ours = build_pair("mistral")
-    ours.set_attn_implementation("test_windowless")
+    lm = windowed_mistral(window, qk_scale, dtype)
+    verify_packed_training(lm)
+    lm.set_attn_implementation("test_windowless")
     with pytest.raises(UnsupportedModel, match="model type 'mistral'.*differs from the model's own eager forward"):
-        verify_packed_training(ours)
+        verify_packed_training(lm)
 
 
 class LogitsDoublingLlama(transformers.LlamaForCausalLM):
@@ -201,3 +234,13 @@ def test_options_hpsft_cannot_train_exactly_are_refused_by_name(config, attn_imp
     model = AutoModelForCausalLM.from_config(config(), attn_implementation="eager")
     with pytest.raises(UnsupportedModel, match=message):
         check_supported(model, attn_implementation)
+
+
+def test_a_window_as_wide_as_the_positions_never_binds_and_is_not_checked():
+    """Phi-3-mini-128k's window (262144) is wider than its positions (131072): the start-up
+    check would otherwise run a 262208-token eager forward. Catches the width check dropped."""
+    from hpsft.models.families import longest_sliding_window
+
+    assert longest_sliding_window(transformers.Phi3Config(sliding_window=262144, max_position_embeddings=131072)) == 0
+    assert longest_sliding_window(transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768)) == 4096
+    assert longest_sliding_window(transformers.LlamaConfig()) == 0

@@ -2,19 +2,22 @@
 and hpsft prepare-model on Hugging Face folders: the report counts the rows written, the
 written data is what hpsft's loader reads, the written model is the source's."""
 
+import dataclasses
 import json
 import shutil
+from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
-from hpsft.data.dataset import SFTDataset, load_or_tokenize
+from hpsft.data.preparation import prepared_store
 from hpsft.data.rows import TokenizeOptions, read_rows
 from hpsft.prepare_data import main as prepare_data
 from hpsft.prepare_model import main as prepare_model
 from tests.conftest import columns, write_jsonl, write_parquet
+from tests.test_chat_data import spans
 
 MAX_LENGTH = 128
 
@@ -88,13 +91,14 @@ def test_prepare_data_report_counts_the_rows_written(kind, tmp_path, capsys, cha
     # the token counts of the report.
     opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
                            chat_template=None, max_length=MAX_LENGTH, truncation="error", bad_rows="error")
-    sets = [SFTDataset(load_or_tokenize([str(p)], tokenizer, opts, tmp_path / "tokenized")) for p in (train, val)]
-    lengths = sorted(ds.seqlen(i) for ds in sets for i in range(len(ds)))
+    sets = [prepared_store(str(p), tokenizer, opts, tmp_path / "tokenized") for p in (train, val)]
+    lengths = sorted(int(n) for ds in sets for n in ds.lengths)
     assert len(lengths) == len(keep)
     assert report["token_lengths"]["max"] == lengths[-1] <= MAX_LENGTH
     assert report["token_lengths"]["p50"] == lengths[len(lengths) // 2 - (len(lengths) % 2 == 0)]
     assert report["token_lengths"]["total"] == sum(lengths)
-    assert report["token_lengths"]["supervised"] == sum(int(ds.loss_mask.sum()) for ds in sets)
+    assert report["token_lengths"]["supervised"] == sum(int(ds[i]["loss_mask"].sum()) for ds in sets
+                                                        for i in range(len(ds)))
 
 
 def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):
@@ -225,3 +229,93 @@ def test_prepare_model_warns_of_a_missing_chat_template_and_refuses_a_missing_to
     assert prepare_model([str(no_tokenizer), "--out", str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
     assert "hpsft: error:" in err and "no tokenizer loads from it" in err
+
+
+@pytest.mark.parametrize("policy", ["turns", "split"])
+def test_prepare_data_fits_long_conversations_by_turns(policy, tmp_path, capsys, tokenizer, model_path):
+    """--truncation turns|split on real ShareGPT rows: what is written loads with
+    data.truncation=error at --max-length (every sequence fits), trains each kept assistant
+    turn once (turns: the leading ones of each row), and the report counts add up."""
+    from hpsft.assets.chat_corpora import sharegpt_conversations
+
+    conversations = sharegpt_conversations(40)
+    source = write_jsonl([{"messages": c} for c in conversations], tmp_path / "sharegpt.jsonl")
+    out = tmp_path / "out"
+    assert prepare_data([source, "--out", str(out), "--tokenizer", model_path, "--max-length", "512",
+                         "--truncation", policy]) == 0
+    report = json.loads((out / "report.json").read_text())
+    counts = report["counts"]
+    over = sum(len(tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"])
+               > 512 for c in conversations)
+    assert report["truncation"] == policy and counts["over_max_length_rows"] == over > 10
+    assert counts[f"{policy}_rows"] == over - report["dropped"]["over_max_length"]
+    assert report["rows_kept"] == len(conversations) - report["dropped"]["over_max_length"]
+    opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+                           chat_template=None, max_length=512, truncation="error", bad_rows="error")
+    data = prepared_store(str(out / "train.parquet"), tokenizer, opts, tmp_path / "tokenized")
+    fitted = counts["split_sequences"] if policy == "split" else counts["turns_rows"]  # rows written for the long ones
+    assert len(data) == report["written"][str(out / "train.parquet")] == len(conversations) - over + fitted
+    supervised, supervised_tokens = Counter(), 0
+    for item in (data[i] for i in range(len(data))):
+        supervised.update(tokenizer.decode(item["input_ids"][a:b]) for a, b in spans(item["loss_mask"].tolist()))
+        supervised_tokens += int(item["loss_mask"].sum())
+    turns = Counter(m["content"] + "<|im_end|>" for c in conversations for m in c if m["role"] == "assistant")
+    assert all(supervised[t] <= turns[t] for t in supervised) and set(supervised) <= set(turns)
+    assert sum(turns.values()) - sum(supervised.values()) == counts.get("dropped_turns", 0)
+    assert report["token_lengths"]["max"] <= 512 and report["token_lengths"]["supervised"] == supervised_tokens
+    if policy == "turns":  # each written row is the start of its conversation
+        written = [row["messages"] for row in read_rows(out / "train.parquet")]
+        assert all(any(c[:len(w)] == w for c in conversations) for w in written)
+
+
+def test_prepare_data_writes_the_store_a_training_job_reads_without_tokenizing(tmp_path, capsys, tokenizer,
+                                                                              model_path):
+    """prepare-data --truncation split --store over 2 worker processes (rows fitted and then
+    tokenized in parallel) on real ShareGPT rows: its report equals the one-process run's,
+    train.store/ holds exactly the sequences the trainer's data stage makes of train.parquet,
+    a training run naming the store prepares nothing, and the store refuses a run whose
+    data.max_length it exceeds or whose tokenizer differs. Catches: workers that reorder or
+    lose rows, a store written with other options than the rows it came from."""
+    from transformers import AutoTokenizer
+
+    from hpsft.assets.chat_corpora import sharegpt_conversations
+    from hpsft.data.rows import DataError
+    from tests.conftest import base_overrides, run_cli
+    from tests.test_spmd_training import assert_ok
+
+    source = write_jsonl([{"messages": c} for c in sharegpt_conversations(40)], tmp_path / "sharegpt.jsonl")
+    reports = []
+    for num_proc in ("1", "2"):
+        out = tmp_path / f"out{num_proc}"
+        assert prepare_data([source, "--out", str(out), "--tokenizer", model_path, "--max-length", "512",
+                             "--truncation", "split", "--num-proc", num_proc, "--shard-mb", "0.05"]
+                            + (["--store"] if num_proc == "2" else [])) == 0
+        report = json.loads((out / "report.json").read_text())
+        reports.append({k: v for k, v in report.items() if k not in ("written", "stores")})
+    assert reports[0] == reports[1]
+    store_dir = out / "train.store"
+    assert report["stores"][str(store_dir)]["sequences"] == report["written"][str(out / "train.parquet")]
+    opts = TokenizeOptions(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+                           chat_template=None, max_length=512, truncation="error", bad_rows="error")
+    store = prepared_store(str(store_dir), tokenizer, opts, tmp_path / "unused")
+    trainers = prepared_store(str(out / "train.parquet"), tokenizer, opts, tmp_path / "tokenized")
+    assert len(store) == len(trainers) > 40
+    for i in range(len(store)):
+        assert torch.equal(store[i]["input_ids"], trainers[i]["input_ids"])
+        assert torch.equal(store[i]["loss_mask"], trainers[i]["loss_mask"])
+
+    run = tmp_path / "run"
+    proc = run_cli("hpsft.train", base_overrides(model_path, str(store_dir), None, run, **{
+        "data.max_length": 512, "data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 4,
+        "trainer.total_steps": 1, "trainer.export_hf": "false"}))
+    assert_ok(proc)
+    rows = report["stores"][str(store_dir)]["rows"]
+    assert "preparing data" not in proc.stdout, proc.stdout[-2000:]
+    assert f"hpsft: data train: {rows} rows -> {len(store)} sequences" in proc.stdout, proc.stdout[-2000:]
+    assert not (run.parent / "tokcache").exists()
+    with pytest.raises(DataError, match=r"holds sequences of up to \d+ tokens > data.max_length=256"):
+        prepared_store(str(store_dir), tokenizer, dataclasses.replace(opts, max_length=256), tmp_path / "unused")
+    other = AutoTokenizer.from_pretrained(model_path)
+    other.add_tokens(["<hpsft-extra>"])
+    with pytest.raises(DataError, match="was prepared with another tokenizer"):
+        prepared_store(str(store_dir), other, opts, tmp_path / "unused")

@@ -83,39 +83,6 @@ def run_driver(config, during_fit=None):
     return trainer
 
 
-def test_split_by_tokens_is_even_in_count_and_balanced_in_tokens():
-    from hpsft.ray.data_parallel import split_by_tokens
-
-    lengths = [100, 90, 10, 10, 10, 10, 5, 3, 2]
-    shards = split_by_tokens(lengths, 2)
-    assert sorted(i for shard in shards for i in shard) == list(range(9))
-    assert sorted(len(shard) for shard in shards) == [4, 5]
-    loads = [sum(lengths[i] for i in shard) for shard in shards]
-    assert abs(loads[0] - loads[1]) <= 10, loads
-    assert split_by_tokens([7], 2) == [[0], []]
-
-
-def test_driver_batches_are_the_spmd_ranks_batches_together():
-    """Over two epochs, step k of the driver = the union of every SPMD rank's step k."""
-    from torch.utils.data import DistributedSampler
-
-    from hpsft.ray.sampler import RankInterleavedSampler
-
-    dataset, dp, per_rank = list(range(19)), 2, 3
-    driver = RankInterleavedSampler(dataset, None, dp, per_rank, shuffle=True, seed=5)
-    ranks = [DistributedSampler(dataset, dp, r, shuffle=True, seed=5, drop_last=True) for r in range(dp)]
-    for epoch in (0, 1):
-        driver.set_position(epoch, 0)
-        for sampler in ranks:
-            sampler.set_epoch(epoch)
-        order = list(driver)
-        assert len(order) == len(driver) == 18
-        per_rank_lists = [list(sampler) for sampler in ranks]
-        for step in range(3):
-            expected = [i for indices in per_rank_lists for i in indices[step * per_rank:(step + 1) * per_rank]]
-            assert order[step * dp * per_rank:(step + 1) * dp * per_rank] == expected
-
-
 @pytest.mark.slow
 def test_worker_group_scatters_per_rank_arguments_and_names_a_failing_rank(ray_address):
     from hpsft.ray import ClassWithInitArgs, PerRank, RayWorkerGroup, WorkerFailedError

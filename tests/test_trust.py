@@ -108,21 +108,30 @@ def test_a_planted_pickle_state_file_is_never_unpickled(trained_run, tmp_path):
     assert marker.exists()
 
 
-def test_a_planted_pickle_in_the_token_cache_is_refused(tmp_path, tokenizer):
-    from hpsft.data.dataset import cache_key, load_or_tokenize
+def test_a_planted_pickle_in_the_token_cache_is_never_loaded(tmp_path, tokenizer):
+    """The token store is Arrow files and JSON: nothing in it is unpickled. A shard file
+    replaced by a pickle payload (its sidecar edited to match its size) is refused as damaged
+    and prepared again; the payload never runs."""
+    from hpsft.data.preparation import prepared_store
     from hpsft.data.rows import TokenizeOptions
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "Hi", "response": "Hello"}) + "\n")
     config = load_config(None, [f"data.train_files=[{data}]"])
     opts = TokenizeOptions.from_data_config(config.data)
-    marker = tmp_path / "payload-ran"
     cache = tmp_path / "cache"
-    cache.mkdir()
-    torch.save({"input_ids": CreateMarker(marker)}, cache / f"{cache_key([data], tokenizer, opts)}.pt")
-    with pytest.raises(UserInputError, match="asks to load the Python object io.open"):
-        load_or_tokenize([str(data)], tokenizer, opts, cache)
+    expected = prepared_store(str(data), tokenizer, opts, cache)[0]["input_ids"]
+    (store,) = [d for d in cache.iterdir() if (d / "store.json").is_file()]
+    marker = tmp_path / "payload-ran"
+    planted = store / "shard-00000.arrow"
+    torch.save({"input_ids": CreateMarker(marker)}, planted)
+    for name in ("shard-00000.json", "store.json"):
+        record = json.loads((store / name).read_text())
+        (record["shard_files"][0] if name == "store.json" else record)["file_bytes"] = planted.stat().st_size
+        (store / name).write_text(json.dumps(record))
+    again = prepared_store(str(data), tokenizer, opts, cache)
     assert not marker.exists()
+    assert torch.equal(again[0]["input_ids"], expected)
 
 
 # ---- chat templates ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ Choice-valued fields are validated in `__post_init__` so a bad value fails at st
 with the valid choices named.
 """
 
+import glob
 import importlib.util
 import math
 import re
@@ -87,11 +88,21 @@ class DataSource:
     """One entry of data.train_files or data.val_files: a path, or {path, weight, name}."""
 
     path: str
-    name: str  # in per-dataset metrics (train/loss/<name>); default: the file's stem
+    name: str  # in per-dataset metrics (train/loss/<name>); default: default_source_name(path)
     weight: Optional[float]  # sampling weight (train_files only); None: not given
 
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def default_source_name(path: str) -> str:
+    """A file's or folder's stem; for a glob, the folder it searches (data/train/part-*.parquet:
+    train), or `data` when it has none."""
+    parts = PurePath(path).parts
+    if not any(glob.has_magic(part) for part in parts):
+        return PurePath(path).stem
+    plain = [PurePath(part).stem for part in parts[:next(i for i, part in enumerate(parts) if glob.has_magic(part))]]
+    return next((part for part in reversed(plain) if SOURCE_NAME.fullmatch(part)), "data")
 
 
 def data_source(key: str, i: int, entry) -> DataSource:
@@ -106,7 +117,7 @@ def data_source(key: str, i: int, entry) -> DataSource:
     path, weight = entry.get("path"), entry.get("weight")
     if not isinstance(path, str) or not path:
         raise ValueError(f"{where} needs a 'path' (the data file), got {path!r}")
-    name = entry.get("name", PurePath(path).stem)
+    name = entry.get("name", default_source_name(path))
     if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name):
         raise ValueError(f"{where} name {name!r} must be letters, digits, '_', '.' or '-' (it names metrics, "
                          "train/loss/<name>): set 'name'")
@@ -164,7 +175,13 @@ class DataConfig:
     tools_key: str = "tools"  # optional per-row tool schemas passed to the chat template
     chat_template: Optional[str] = None  # Jinja text or a .jinja file path, overriding the tokenizer's
     max_length: int = 1024
-    truncation: str = "error"  # error | left | right
+    # A row longer than max_length: error | left | right (cut tokens) | turns (its leading whole
+    # turns) | split (several sequences cut at turn boundaries); docs/data.md "Long conversations".
+    truncation: str = "error"
+    # auto | whole | per_turn: one sequence per conversation, or one per assistant turn as the
+    # template writes it when that turn is generated (auto: per turn when the template rewrites
+    # past turns); docs/data.md "Templates that rewrite history".
+    multiturn: str = "auto"
     bad_rows: str = "error"  # error | skip (skipped rows are counted and reported)
     train_batch_size: int = 32  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
@@ -172,11 +189,21 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     cache_dir: str = ".cache/tokenized"
+    # Worker processes tokenizing on each rank (hpsft/data/preparation.py); None: the cores this
+    # process may use divided among the ranks of its node.
+    num_proc: Optional[int] = None
+    shard_mb: float = 16.0  # input per shard, the unit tokenized in parallel, cached and resumed
+    # How each step's global batch is split over data-parallel ranks: equal tokens, or equal
+    # tokens plus attention's quadratic term (long sequences weigh more; hpsft/data/balance.py).
+    balance: str = "tokens"  # tokens | attention
 
     def __post_init__(self):
-        check_choice("data", "truncation", self.truncation, {"error", "left", "right"})
+        check_choice("data", "truncation", self.truncation, {"error", "left", "right", "turns", "split"})
+        check_choice("data", "multiturn", self.multiturn, {"auto", "whole", "per_turn"})
         check_choice("data", "bad_rows", self.bad_rows, {"error", "skip"})
-        for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch"):
+        check_choice("data", "balance", self.balance, {"tokens", "attention"})
+        for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch",
+                     "num_proc", "shard_mb"):
             check_positive("data", name, getattr(self, name))
         check_positive("data", "num_workers", self.num_workers, allow_zero=True)
         if not self.train_files:

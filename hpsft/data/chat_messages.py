@@ -8,6 +8,9 @@ what chat templates expect.
   write it with `| tojson`, which would print a string as a quoted JSON string, so it is
   always passed on as an object. An empty list means no calls.
 - `tool_call_id`, `name`: strings.
+- `weight` (assistant only, OpenAI's fine-tuning format): 1 (the default) trains the turn,
+  0 makes it context only. A conversation cut into sequences (data.truncation=split, per-turn
+  sequences) is a conversation whose history turns have weight 0.
 - Keys whose value is None are dropped (OpenAI exports write `"tool_calls": null`; parquet
   gives every message every key of its column), so a template's `is defined` tests see
   only what the message has. Other keys reach the template unchanged.
@@ -33,7 +36,14 @@ def normalize_messages(messages) -> list[dict]:
     normalized = [normalize_message(i, msg) for i, msg in enumerate(messages)]
     if not any(m["role"] == "assistant" for m in normalized):
         raise BadRow("conversation has no assistant turn: nothing to learn")
+    if not any(map(is_supervised, normalized)):
+        raise BadRow("every assistant turn has weight 0: nothing to learn")
     return normalized
+
+
+def is_supervised(message: dict) -> bool:
+    """An assistant turn the loss covers (weight 1, the default)."""
+    return message["role"] == "assistant" and message.get("weight", 1) == 1
 
 
 def normalize_message(i: int, msg) -> dict:
@@ -59,6 +69,11 @@ def normalize_message(i: int, msg) -> dict:
     for key in ("tool_call_id", "name"):
         if key in msg and not isinstance(msg[key], str):
             raise BadRow(f"message {i} {key} must be a string, got {type(msg[key]).__name__}")
+    if "weight" in msg:
+        if role != "assistant":
+            raise BadRow(f"message {i} has a weight but role {role!r}: only assistant turns are trained")
+        if msg["weight"] not in (0, 1):
+            raise BadRow(f"message {i} weight must be 0 (context only) or 1 (trained), got {msg['weight']!r}")
     return msg
 
 

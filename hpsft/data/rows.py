@@ -29,8 +29,9 @@ class TokenizeOptions:
     tools_key: str
     chat_template: str | None
     max_length: int
-    truncation: str  # error | left | right
+    truncation: str  # error | left | right | turns | split
     bad_rows: str  # error | skip
+    multiturn: str = "auto"  # auto | whole | per_turn
 
     @classmethod
     def from_data_config(cls, cfg) -> "TokenizeOptions":

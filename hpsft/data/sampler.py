@@ -1,11 +1,16 @@
 """Where a run is in its stream of training samples, whatever the data-parallel size.
 
-Each epoch has one global order of the samples: DistributedSampler's shuffle of the run's
-seed and the epoch, or, for a weighted mixture, `mixture_order`. Optimizer step k of an
-epoch trains on samples [kB, (k+1)B) of that order, B = data.train_batch_size, for any
-number of ranks n: rank r takes every n-th of them, from r on. So a position is (epoch,
-samples consumed in the epoch), and a run with another n continues from it on exactly the
-samples the straight run would consume next.
+Each epoch has one global order of the samples: a shuffle of the run's seed and the epoch
+(torch.randperm seeded with seed + epoch, as torch's DistributedSampler draws it), or, for a
+weighted mixture, `mixture_order`. Optimizer step k of an epoch trains on samples
+[kB, (k+1)B) of that order, B = data.train_batch_size, and a last partial batch is dropped.
+So a position is (epoch, samples consumed in the epoch), and a run with another number of
+ranks continues from it on exactly the samples the straight run would consume next.
+
+Each step's global batch is split over the loading processes by cost (hpsft/data/balance.py,
+from the stored lengths, the same on every process without communication): the SPMD ranks
+take one part each, the Ray driver (one loading process) the whole batch, which its worker
+group splits the same way.
 
 A mixture epoch (docs/data.md, "Mixing datasets") has as many draws as the sources have
 samples together. Each draw picks a source with probability weight / sum of weights
@@ -15,32 +20,10 @@ through again. Everything is drawn from a generator seeded with seed + epoch, so
 order is a function of (seed, epoch) alone.
 """
 
-import itertools
-
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Sampler
 
-
-class PositionedDistributedSampler(DistributedSampler):
-    """A DistributedSampler whose epoch can start part-way, at a global sample position."""
-
-    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool, seed: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.start = 0
-
-    def set_position(self, epoch: int, samples_consumed: int) -> None:
-        """Iterate epoch `epoch` from global sample `samples_consumed` (a multiple of the
-        number of ranks: whole steps are consumed) on."""
-        if samples_consumed % self.num_replicas:
-            raise ValueError(f"{samples_consumed} samples do not split over {self.num_replicas} ranks")
-        self.set_epoch(epoch)
-        self.start = samples_consumed // self.num_replicas  # this rank's share of them
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start, None)
-
-    def __len__(self) -> int:
-        return max(self.num_samples - self.start, 0)
+from hpsft.data.balance import sequence_costs, split_by_cost
 
 
 def mixture_order(sizes: list[int], weights: list[float], seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -62,23 +45,50 @@ def mixture_order(sizes: list[int], weights: list[float], seed: int, epoch: int,
     return order
 
 
-class MixtureSampler(PositionedDistributedSampler):
-    """The same positions and rank split over `mixture_order`; `dataset` is a SourcedDataset."""
+def epoch_order(sizes: list[int], weights: list[float] | None, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The global order of an epoch: every sample once (shuffled or not), or a mixture's draws."""
+    if weights is not None:
+        return mixture_order(sizes, weights, seed, epoch, shuffle)
+    if not shuffle:
+        return torch.arange(sum(sizes))
+    return torch.randperm(sum(sizes), generator=torch.Generator().manual_seed(seed + epoch))
 
-    def __init__(self, dataset, weights: list[float], num_replicas: int, rank: int, shuffle: bool, seed: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self.sizes, self.weights = dataset.sizes, weights
+
+class StepBatchSampler(Sampler):
+    """Yields, for each remaining step of the epoch, this process's part of the step's global
+    batch: `part` of `parts` (list of dataset indices, in the global order).
+
+    `dataset` has `sizes` (samples per source) and `sequence_lengths(indices)` (hpsft/data/
+    sources.py); a sample's cost is its length, or with `attention_hidden_size` its length plus
+    attention's quadratic term (balance.sequence_costs)."""
+
+    def __init__(self, dataset, weights: list[float] | None, batch_size: int, part: int, parts: int,
+                 shuffle: bool, seed: int, attention_hidden_size: int | None = None):
+        self.dataset, self.weights = dataset, weights
+        self.batch_size, self.part, self.parts = batch_size, part, parts
+        self.shuffle, self.seed = shuffle, seed
+        self.attention_hidden_size = attention_hidden_size
+        self.epoch, self.first_step = 0, 0
+
+    def set_position(self, epoch: int, samples_consumed: int) -> None:
+        """Iterate epoch `epoch` from global sample `samples_consumed` (whole steps) on."""
+        if samples_consumed % self.batch_size:
+            raise ValueError(f"{samples_consumed} samples are not whole steps of {self.batch_size}")
+        self.epoch, self.first_step = epoch, samples_consumed // self.batch_size
+
+    def steps_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def __len__(self) -> int:
+        return max(self.steps_per_epoch() - self.first_step, 0)
 
     def __iter__(self):
-        order = mixture_order(self.sizes, self.weights, self.seed, self.epoch, self.shuffle)
-        first = self.rank + self.start * self.num_replicas
-        return iter(order[first:self.total_size:self.num_replicas].tolist())
-
-
-def training_sampler(dataset, weights: list[float] | None, num_replicas: int, rank: int, shuffle: bool,
-                     seed: int) -> PositionedDistributedSampler:
-    """Rank `rank`'s sampler: a weighted mixture when weights are given, else every sample
-    once an epoch."""
-    if weights is None:
-        return PositionedDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-    return MixtureSampler(dataset, weights, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        order = epoch_order(self.dataset.sizes, self.weights, self.seed, self.epoch, self.shuffle)
+        for step in range(self.first_step, self.steps_per_epoch()):
+            batch = order[step * self.batch_size:(step + 1) * self.batch_size].tolist()
+            if self.parts == 1:
+                yield batch
+                continue
+            costs = sequence_costs(self.dataset.sequence_lengths(batch), self.attention_hidden_size)
+            positions = split_by_cost(costs, self.parts)[self.part]
+            yield [batch[i] for i in positions]

@@ -10,6 +10,7 @@ return what the built-in one does.
 
 import bisect
 
+import numpy as np
 import torch
 
 from hpsft.errors import UserInputError
@@ -28,6 +29,9 @@ class SourcedDataset(torch.utils.data.Dataset):
         self.starts = [0]
         for size in self.sizes:
             self.starts.append(self.starts[-1] + size)
+        # The built-in store knows every length without reading tokens; a custom class does not.
+        self.lengths = (np.concatenate([d.lengths for d in datasets]) if all(hasattr(d, "lengths") for d in datasets)
+                        else None)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -37,6 +41,12 @@ class SourcedDataset(torch.utils.data.Dataset):
         item = self.datasets[source][i - self.starts[source]]
         input_ids, loss_mask = self.checked(item, source, i - self.starts[source])
         return {"input_ids": input_ids, "loss_mask": loss_mask, "index": i, "source": source}
+
+    def sequence_lengths(self, indices: list[int]) -> np.ndarray:
+        """Tokens of each of these samples (for balancing ranks)."""
+        if self.lengths is not None:
+            return self.lengths[indices]
+        return np.array([self[i]["input_ids"].numel() for i in indices], dtype=np.int64)
 
     def checked(self, item, source: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         where = f"data source {self.names[source]!r} item {i} ({self.described_by})"

@@ -83,6 +83,10 @@ def output_side(lm: nn.Module) -> OutputSide:
 
 
 def longest_sliding_window(config) -> int:
-    """The longest sliding window of any layer (0 when there is none)."""
+    """The longest sliding window of any layer, 0 when there is none or when it never binds:
+    at least max_position_embeddings wide (Phi-3-mini-128k's is 262144)."""
     window = getattr(config, "sliding_window", None)
-    return int(window) if isinstance(window, int) else 0
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(window, int) or (isinstance(positions, int) and window >= positions):
+        return 0
+    return window

@@ -1,7 +1,8 @@
 """The worker group seen from the driver as one TrainingWorker that takes whole global batches.
 
 The driver sees every sequence of a step, so it computes lengths and the step's loss-token
-count itself (no all-gather), splits the batch into per-rank shards balanced by tokens,
+count itself (no all-gather), splits the batch into per-rank shards balanced by tokens
+(hpsft/data/balance.py, as the SPMD ranks split it),
 sends each rank its shard and gathers the results. Which rank gets which sequence does not
 change the step: the loss is normalised by the loss tokens of the whole global batch.
 With sequence parallelism the batch is split over the data-parallel ranks (world / SP) and
@@ -11,33 +12,22 @@ under SPMD); each returns its slices' share of the per-sequence results, which a
 
 import torch
 
+from hpsft.data.balance import sequence_costs, split_by_cost
 from hpsft.data.batch import loss_token_count, select, seqlens
 from hpsft.ray.worker_group import PerRank, RayWorkerGroup
 from hpsft.workers.training_worker import combine_ranks
 
 
-def split_by_tokens(lengths: list[int], n_shards: int) -> list[list[int]]:
-    """`n_shards` lists of sample positions whose sizes differ by at most one (every rank
-    then runs the same micro-batch count as under SPMD) and whose token counts are
-    balanced: longest first onto the least-loaded shard that still has room."""
-    capacity = [len(lengths) // n_shards + (r < len(lengths) % n_shards) for r in range(n_shards)]
-    shards: list[list[int]] = [[] for _ in range(n_shards)]
-    loads = [0] * n_shards
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        rank = min((r for r in range(n_shards) if len(shards[r]) < capacity[r]), key=lambda r: loads[r])
-        shards[rank].append(i)
-        loads[rank] += lengths[i]
-    return [sorted(shard) for shard in shards]
-
-
 class DataParallelWorker:
-    def __init__(self, group: RayWorkerGroup, sp_size: int = 1):
+    def __init__(self, group: RayWorkerGroup, sp_size: int = 1, attention_hidden_size: int | None = None):
         self.group = group
         self.sp_size = sp_size
+        self.attention_hidden_size = attention_hidden_size  # data.balance=attention: cost of a sequence
 
     def shard(self, batch) -> tuple[list[list[int]], PerRank]:
         """The sample positions of each rank's shard, and the shards (one per rank)."""
-        dp_positions = split_by_tokens(seqlens(batch).tolist(), self.group.world_size // self.sp_size)
+        costs = sequence_costs(seqlens(batch).numpy(), self.attention_hidden_size)
+        dp_positions = split_by_cost(costs, self.group.world_size // self.sp_size)
         positions = [p for p in dp_positions for _ in range(self.sp_size)]
         return positions, PerRank(select(batch, p) for p in positions)
 

@@ -14,8 +14,8 @@ and a group lost while being rebuilt uses up a restart too.
 from hpsft.config import SFTConfig
 from hpsft.errors import UserInputError
 from hpsft.ray.data_parallel import DataParallelWorker
+from hpsft.ray.data_preparation import RayTaskRunner
 from hpsft.ray.resource_pool import RayResourcePool
-from hpsft.ray.sampler import RankInterleavedSampler
 from hpsft.ray.worker_group import ClassWithInitArgs, RayWorkerGroup, WorkerLostError
 from hpsft.trainer.sft_trainer import SFTTrainer, seed_everything
 from hpsft.workers import TrainingWorker
@@ -49,12 +49,8 @@ class RaySFTTrainer(SFTTrainer):
         return (f"launcher ray: world size {world}, {ray_cfg.nnodes} node(s), "
                 f"{ray_cfg.n_workers_per_node} rank(s) per node")
 
-    def build_sampler(self) -> RankInterleavedSampler:
-        return RankInterleavedSampler(
-            self.train_dataset, self.config.data.mixture_weights(), self.dp_size,
-            self.config.data.train_batch_size // self.dp_size,
-            shuffle=self.config.data.shuffle, seed=self.config.trainer.seed,
-        )
+    def build_data_runner(self) -> RayTaskRunner:
+        return RayTaskRunner()
 
     def build_worker(self) -> DataParallelWorker:
         cfg = self.config
@@ -65,7 +61,8 @@ class RaySFTTrainer(SFTTrainer):
                                cfg.engine.collective_timeout_s)
         print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
         group.init_model().get()
-        return DataParallelWorker(group, cfg.engine.sequence_parallel_size)
+        hidden = self.model_hidden_size() if cfg.data.balance == "attention" else None
+        return DataParallelWorker(group, cfg.engine.sequence_parallel_size, hidden)
 
     def fit(self) -> None:
         restarts = 0

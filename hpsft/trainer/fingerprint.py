@@ -29,6 +29,9 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
+from hpsft.data.preparation import MANIFEST, is_store
+from hpsft.data.rows import DataError
+from hpsft.data.shards import expand_entry
 from hpsft.trainer.checkpoint import sha256
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -63,7 +66,18 @@ def model_fingerprint(path: str) -> dict:
 
 
 def source_fingerprint(path: str) -> str:
-    return sha256(Path(path)) if Path(path).is_file() else path
+    """A data file's sha256; a folder or glob of them: the sha256 of their sha256s in order; a
+    prepared token store: its manifest's (which names its inputs and what each shard holds); a
+    custom dataset's path that is none of these: the path."""
+    if Path(path).is_file():
+        return sha256(Path(path))
+    if is_store(path):
+        return sha256(Path(path) / MANIFEST)
+    try:
+        files = expand_entry(path)
+    except DataError:
+        return path
+    return hashlib.sha256("".join(sha256(f) for f in files).encode()).hexdigest()
 
 
 def data_fingerprint(data) -> dict:
@@ -89,6 +103,8 @@ def run_fingerprint(config, tokenizer) -> dict:
         **{f"data.{name}": getattr(data, name) for name in (
             "messages_key", "prompt_key", "response_key", "tools_key", "max_length", "truncation", "bad_rows",
             "train_batch_size", "shuffle")},
+        # Absent at its default, so checkpoints written before the key existed still match.
+        **({"data.multiturn": data.multiturn} if data.multiturn != "auto" else {}),
         "trainer.seed": config.trainer.seed,
         "loss.z_loss_weight": loss.z_loss_weight,
         "loss.label_smoothing": loss.label_smoothing,

@@ -5,8 +5,8 @@ itself): weights, optimizer state and LR schedule stay as they were, the step's 
 consumed. The trainer counts them (`train/skipped_steps`) and stops the run after
 trainer.max_skipped_steps in a row, pointing at the last checkpoint.
 
-Test hook: HPSFT_TEST_NAN_GRADIENT_STEPS=3,4 makes the gradients of steps 3 and 4 NaN
-(SPMD path only). Nothing but the tests sets it.
+Test hook: HPSFT_TEST_NONFINITE_GRADIENT_STEPS=3:inf,4:nan gives step 3 an infinite gradient
+norm and step 4 NaN gradients (SPMD path only). Nothing but the tests sets it.
 """
 
 import math
@@ -18,7 +18,7 @@ import torch
 from hpsft.errors import UserInputError
 from hpsft.workers.training_worker import token_mean_loss
 
-NAN_GRADIENT_STEPS_ENV = "HPSFT_TEST_NAN_GRADIENT_STEPS"
+NONFINITE_GRADIENT_STEPS_ENV = "HPSFT_TEST_NONFINITE_GRADIENT_STEPS"
 
 
 class SkippedSteps:
@@ -46,13 +46,40 @@ class SkippedSteps:
         )
 
 
-def nan_gradient_steps() -> set[int]:
-    """The test hook's steps (1-based), empty unless the tests set the variable."""
-    return {int(step) for step in os.environ.get(NAN_GRADIENT_STEPS_ENV, "").split(",") if step}
+def nonfinite_gradient_steps() -> dict[int, float]:
+    """The test hook's steps (1-based) and the value each puts into its gradients, e.g.
+    "3:inf,4:nan" -> {3: inf, 4: nan}; empty unless the tests set the variable."""
+    entries = (entry.split(":") for entry in os.environ.get(NONFINITE_GRADIENT_STEPS_ENV, "").split(",") if entry)
+    return {int(step): float(value) for step, value in entries}
 
 
-def nan_gradient_loss(outputs, global_loss_tokens: int) -> torch.Tensor:
-    """The usual loss, whose gradient is NaN everywhere (its value stays finite)."""
+def nonfinite_gradient_loss(value: float, outputs, global_loss_tokens: int) -> torch.Tensor:
+    """The usual loss (its value stays finite), whose backward makes the gradient norm `value`:
+    NaN puts NaN into every gradient; inf puts +inf into one element of one parameter's
+    gradient, the rest left as computed (an inf pushed through the backward would meet
+    -inf and zeros on the way and make the norm NaN)."""
     loss = token_mean_loss(outputs, global_loss_tokens)
-    loss.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    if math.isnan(value):
+        loss.register_hook(lambda grad: torch.full_like(grad, value))
+        return loss
+    handle = None
+
+    def poison_once(grad):
+        handle.remove()  # this micro-batch's backward only
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    handle = a_parameter_of(loss).register_hook(poison_once)
     return loss
+
+
+def a_parameter_of(loss: torch.Tensor) -> torch.Tensor:
+    """A parameter `loss` was computed from: the first leaf found walking its autograd graph."""
+    nodes = [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if hasattr(node, "variable"):  # an AccumulateGrad node: its variable is a leaf that requires grad
+            return node.variable
+        nodes.extend(child for child, _ in node.next_functions if child is not None)
+    raise ValueError("the loss depends on no parameter")

@@ -6,8 +6,8 @@ later re-run, and metrics.jsonl would hold both curves. It is refused unless
 trainer.overwrite_output_dir=true, which deletes those outputs (nothing else) first.
 """
 
-import os
 import shutil
+import tempfile
 from pathlib import Path
 
 # Everything a run (and `hpsft samples`/`hpsft plot` on it) writes into its output_dir besides
@@ -18,14 +18,28 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "wandb", "profile"
 
 def unwritable_problem(run_dir: Path) -> str | None:
     """Why `run_dir` cannot be created or written, or None (checked before anything slow, so
-    that a run does not fail at its first checkpoint)."""
+    that a run does not fail at its first checkpoint). Tried rather than inferred from
+    permission bits, which say yes for root under /proc and on a missing mount: the missing
+    folders are made and a file written in the deepest, then all of it removed, so that a
+    refused run leaves nothing behind."""
     existing = run_dir
     while not existing.exists():  # its nearest existing ancestor is where it will be created
         existing = existing.parent
     if not existing.is_dir():
         return f"trainer.output_dir={run_dir}: {existing} is a file, not a folder; choose another output_dir"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"trainer.output_dir={run_dir}: {existing} is not writable by this user; choose another output_dir"
+    missing = [folder for folder in (run_dir, *run_dir.parents) if not folder.exists()]  # deepest first
+    created = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as err:
+        return (f"trainer.output_dir={run_dir} cannot be created or written: {err.strerror} ({err.filename}); "
+                "choose another output_dir")
+    finally:
+        for folder in reversed(created):
+            folder.rmdir()
     return None
 
 

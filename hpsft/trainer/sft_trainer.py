@@ -5,6 +5,7 @@ Builder sequence as in verl: config -> tokenizer and datasets -> worker (model +
 normalisation inputs, logging and checkpoint timing; it never imports Ray.
 """
 
+import functools
 import random
 import time
 from pathlib import Path
@@ -17,9 +18,9 @@ from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.custom_dataset import load_custom_class
-from hpsft.data.dataset import SFTDataset, load_or_tokenize
-from hpsft.data.rows import TokenizeOptions, chat_template_text
-from hpsft.data.sampler import training_sampler
+from hpsft.data.preparation import LocalRunner, Team, TeamRunner, default_num_proc, prepared_store
+from hpsft.data.rows import DataError, TokenizeOptions, chat_template_text
+from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sources import SourcedDataset
 from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
@@ -28,7 +29,7 @@ from hpsft.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
 from hpsft.trainer.failure_hook import fail, failing_step
 from hpsft.trainer.fingerprint import differences, run_fingerprint
-from hpsft.trainer.nonfinite import SkippedSteps, nan_gradient_loss, nan_gradient_steps
+from hpsft.trainer.nonfinite import SkippedSteps, nonfinite_gradient_loss, nonfinite_gradient_steps
 from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
 from hpsft.workers import TrainingWorker
@@ -54,10 +55,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def build_dataset(sources, tokenizer, data_config, progress: bool = False) -> SourcedDataset:
-    """One dataset per source (DataSource), seen as one. Built-in: rank 0 tokenizes (or reads
-    the cache), the others then read the cache. A custom class (data.custom_cls) is built on
-    every rank from its source's path. `progress`: a bar while rank 0 tokenizes."""
+def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = False,
+                  bar: bool = False) -> SourcedDataset:
+    """One dataset per source (DataSource), seen as one. Built-in: each source's token store,
+    prepared by `runner` where it is not complete yet (hpsft/data/preparation.py); `report`:
+    this process prints what is prepared, with a progress bar if `bar`. A custom class
+    (data.custom_cls) is built on every rank from its source's path."""
     custom = data_config.custom_cls
     if custom.path is not None:
         cls = load_custom_class(custom.path, custom.name)
@@ -65,13 +68,9 @@ def build_dataset(sources, tokenizer, data_config, progress: bool = False) -> So
         return SourcedDataset(datasets, [s.name for s in sources], data_config.max_length,
                               f"class {custom.name} of {custom.path}")
     opts = TokenizeOptions.from_data_config(data_config)
-
-    def tokenized(path: str, show_progress: bool = False) -> dict:
-        return load_or_tokenize([path], tokenizer, opts, data_config.cache_dir, show_progress)
-
-    distributed.on_rank0_then_share(lambda: [tokenized(s.path, progress) for s in sources] and None)
-    return SourcedDataset([SFTDataset(tokenized(s.path)) for s in sources], [s.name for s in sources],
-                          data_config.max_length, "built-in dataset")
+    stores = [prepared_store(s.path, tokenizer, opts, data_config.cache_dir, runner, data_config.shard_mb, s.name,
+                             report, bar) for s in sources]
+    return SourcedDataset(stores, [s.name for s in sources], data_config.max_length, "built-in dataset")
 
 
 class SFTTrainer:
@@ -106,9 +105,11 @@ class SFTTrainer:
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         if data.chat_template is not None:  # also what the exported tokenizer carries
             self.tokenizer.chat_template = chat_template_text(data.chat_template)
-        progress = config.trainer.progress_bar
-        self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data, progress)
-        self.val_dataset = build_dataset(data.val_sources(), self.tokenizer, data, progress) if data.val_files else None
+        runner = self.build_data_runner() if data.custom_cls.path is None else None
+        report, bar = self.rank == 0, config.trainer.progress_bar
+        self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data, runner, report, bar)
+        self.val_dataset = (build_dataset(data.val_sources(), self.tokenizer, data, runner, report, bar)
+                            if data.val_files else None)
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()
         # Rank 0 records it in every checkpoint and checks a resumed one against it.
@@ -118,7 +119,7 @@ class SFTTrainer:
 
         self.worker = self.build_worker()
         self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
-        self.nan_gradient_steps = nan_gradient_steps()  # a test hook: empty in real runs
+        self.nonfinite_gradient_steps = nonfinite_gradient_steps()  # a test hook: empty in real runs
         self.failing_step = failing_step(self.rank)  # a test hook: None in real runs
 
         # Everything that can fail on bad input has run: only now does the run directory appear
@@ -160,16 +161,44 @@ class SFTTrainer:
         worker.init_model()
         return worker
 
-    def build_sampler(self):
-        return training_sampler(self.train_dataset, self.config.data.mixture_weights(), self.loading_ranks,
-                                self.dp_rank, self.config.data.shuffle, self.config.trainer.seed)
+    def build_data_runner(self):
+        """Who tokenizes what is not prepared yet: this process's worker processes, and under
+        SPMD the ranks that share the cache folder, each its share of the shards."""
+        data = self.config.data
+        num_proc = data.num_proc or default_num_proc()
+        if distributed.world_size() == 1:
+            return LocalRunner(num_proc)
+        cache = Path(data.cache_dir)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DataError(f"data.cache_dir={cache}: cannot write the tokenized data there ({err.strerror}); "
+                            "choose another data.cache_dir") from None
+        team, attempt = distributed.ranks_sharing(cache)
+        if self.rank == 0 and len(team) < distributed.world_size():
+            print(f"hpsft: data.cache_dir {cache} is not shared by all {distributed.world_size()} ranks (rank 0 "
+                  f"shares it with ranks {team}): each group of ranks that shares one prepares all of the data",
+                  flush=True)
+        return TeamRunner(Team(self.rank, team.index(self.rank), len(team), attempt), num_proc)
+
+    def build_sampler(self) -> StepBatchSampler:
+        """This process's part of each step's global batch: the SPMD rank's share by tokens, or
+        the whole batch on the Ray driver (its worker group splits it)."""
+        data = self.config.data
+        hidden = self.model_hidden_size() if data.balance == "attention" else None
+        return StepBatchSampler(self.train_dataset, data.mixture_weights(), data.train_batch_size, self.dp_rank,
+                                self.loading_ranks, data.shuffle, self.config.trainer.seed, hidden)
+
+    def model_hidden_size(self) -> int:
+        from transformers import AutoConfig
+
+        model = self.config.model
+        return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).hidden_size
 
     def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()
-        loader = DataLoader(
-            self.train_dataset, batch_size=self.batch_per_rank, sampler=self.sampler,
-            collate_fn=collate_jagged, drop_last=True, num_workers=self.config.data.num_workers,
-        )
+        loader = DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=collate_jagged,
+                            num_workers=self.config.data.num_workers)
         if len(loader) == 0:
             raise UserInputError(
                 f"{len(self.train_dataset)} training sequences make no full batch of "
@@ -335,6 +364,7 @@ class SFTTrainer:
             "perf/micro_batches_per_rank": out["micro_batches"],
             "perf/mfu": flops / step_time / peak,  # peak: the sum of the devices' peaks
             "perf/step_time_s": step_time,
+            "perf/rss_anon_gib": total["rss_anon_bytes"] / 2**30,  # the largest rank's, after the step
             "train/epoch": self.epoch,
         }
 
@@ -350,9 +380,10 @@ class SFTTrainer:
     def train_step(self, batch) -> dict:
         if self.global_step + 1 == self.failing_step:
             fail(self.rank, self.failing_step)
-        if self.global_step + 1 not in self.nan_gradient_steps:
+        poison = self.nonfinite_gradient_steps.get(self.global_step + 1)
+        if poison is None:
             return self.worker.train_batch(batch)
-        self.worker.set_loss_fn(nan_gradient_loss)  # the test hook of hpsft/trainer/nonfinite.py
+        self.worker.set_loss_fn(functools.partial(nonfinite_gradient_loss, poison))  # hpsft/trainer/nonfinite.py
         try:
             return self.worker.train_batch(batch)
         finally:

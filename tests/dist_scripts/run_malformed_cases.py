@@ -101,6 +101,7 @@ def run_case(case: dict, model: Path, scratch: Path) -> dict:
         "output_dir_unchanged": files_under(out) == before,
         "latest_written": (out / "checkpoints" / "latest").exists() and "checkpoints/latest" not in before,
         "heavy_imports": sorted(m for m in ("torch.distributed", "deepspeed", "transformers") if m in sys.modules),
+        "data_prepared": (tmp / "tokcache").exists(),
         "tmp": str(tmp),
     }
 

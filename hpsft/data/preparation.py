@@ -1,0 +1,448 @@
+"""The data stage: a data source's rows -> a token store (hpsft/data/token_store.py), shard by
+shard, in parallel, resumable, never waited for inside a collective.
+
+A source's store lives in `<data.cache_dir>/<key>/`, the key a hash of what decides its
+content: the input files (resolved path, size, modification time), the tokenizer (its
+vocabulary, special tokens and chat template), the tokenization options, the shard size and
+the code that turns rows into tokens. In it:
+
+    shard-00000.arrow, shard-00000.json, ...   each shard's sequences, and its completion mark
+    store.json                                 the plan and the totals, once every shard is done
+
+Who prepares which shard (a `runner`):
+- LocalRunner: this process, over `num_proc` worker processes (a pool started by forkserver,
+  each with its own copy of the tokenizer);
+- TeamRunner (SPMD): the ranks that see the same cache folder (all ranks on a shared file
+  system, the ranks of a node on a node-local one) split the shards (shard i to the rank
+  i mod team size), each over its own worker processes, then wait for the others' shards by
+  watching the folder (a file condition polled every second, with progress: no collective
+  and no timeout). A rank that fails writes its `hpsft: error:` message to the folder, and
+  the waiting ranks stop with it;
+- hpsft.ray.data_preparation.RayTaskRunner: the Ray driver runs the shards as Ray tasks over
+  the cluster's CPUs.
+A shard is complete once its sidecar is written and its Arrow file is intact, so a crash or
+preemption mid-preparation resumes from the finished shards; a damaged shard file is
+rebuilt, naming it.
+"""
+
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpsft.data import chat_messages, chat_tokenize, row_sequences as row_sequences_module, rows, shards, token_store
+from hpsft.data.chat_messages import BadRow
+from hpsft.data.row_sequences import rows_sequences
+from hpsft.data.rows import DataError, TokenizeOptions, UnreadableRow
+from hpsft.data.shards import Shard, expand_entry, plan_shards, shard_rows
+from hpsft.data.token_store import (DamagedShard, MappedShard, ShardWriter, TokenStore, write_atomically,
+                                    write_json_atomically)
+from hpsft.progress import progress_bar
+
+STORE_FORMAT = 1
+MANIFEST = "store.json"
+DEFAULT_SHARD_MB = 16.0
+POLL_S = 1.0  # how often a waiting rank looks at the store folder
+ROWS_PER_CALL = 64  # rows tokenized by one call (the fast tokenizer's batch call beats 64 single ones)
+# The modules whose rules turn rows into tokens: a store written under other rules is not reused.
+TOKENIZATION_CODE = (chat_messages, chat_tokenize, rows, row_sequences_module, shards, token_store)
+
+
+def default_num_proc() -> int:
+    """The cores this process may use, shared with the other ranks of its node."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What of a tokenizer decides the tokens (not where it was loaded from: a store prepared
+    on CPU nodes is valid for the same tokenizer in another folder)."""
+    vocabulary = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return {
+        "vocabulary sha256": hashlib.sha256(vocabulary.encode()).hexdigest(),
+        "size": len(tokenizer),
+        "special tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "chat template sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest(),
+        "class": type(tokenizer).__name__,
+    }
+
+
+def code_sha256() -> str:
+    h = hashlib.sha256()
+    for module in TOKENIZATION_CODE:
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()
+
+
+def store_identity(files: list[Path], tokenizer, opts: TokenizeOptions, shard_bytes: int) -> dict:
+    return {
+        "format": STORE_FORMAT,
+        "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                   for p in files],
+        "tokenizer": tokenizer_identity(tokenizer),
+        "options": asdict(opts),
+        "shard_bytes": shard_bytes,
+        "code sha256": code_sha256(),
+    }
+
+
+def store_key(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
+# ---- one shard, in a worker process ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardJob:
+    index: int
+    shard: Shard
+    store_dir: str
+
+    @property
+    def arrow_path(self) -> Path:
+        return Path(self.store_dir) / f"shard-{self.index:05d}.arrow"
+
+    @property
+    def sidecar_path(self) -> Path:
+        return Path(self.store_dir) / f"shard-{self.index:05d}.json"
+
+
+WORKER_STATE: dict = {}  # the tokenizer and options of this worker process (set once by init_worker)
+
+
+def init_worker(tokenizer, opts: TokenizeOptions) -> None:
+    WORKER_STATE.update(tokenizer=tokenizer, opts=opts)
+
+
+def prepare_shard(job: ShardJob) -> dict:
+    """Tokenize one shard into its Arrow file, then write its sidecar; returns the sidecar.
+    Rows go through rows_sequences ROWS_PER_CALL at a time (one tokenizer call for all)."""
+    tokenizer, opts = WORKER_STATE["tokenizer"], WORKER_STATE["opts"]
+    start = time.perf_counter()
+    writer = ShardWriter(job.arrow_path)
+    tally = {"rows": 0, "skipped": 0, "counts": Counter()}
+
+    def tokenize(chunk: list[tuple[int, object]]) -> None:
+        readable = [(row_no, row) for row_no, row in chunk if not isinstance(row, UnreadableRow)]
+        results = dict(zip((row_no for row_no, _ in readable),
+                           rows_sequences([row for _, row in readable], tokenizer, opts)))
+        for row_no, row in chunk:
+            result = results.get(row_no, BadRow(row.reason) if isinstance(row, UnreadableRow) else None)
+            if isinstance(result, BadRow):
+                if opts.bad_rows == "skip":
+                    tally["skipped"] += 1
+                    continue
+                raise DataError(f"{job.shard.path} row {row_no}: {result} (set data.bad_rows=skip to skip such "
+                                "rows)")
+            tally["counts"].update(result.counts)
+            if result.dropped is not None:
+                tally["counts"][f"dropped: {result.dropped}"] += 1
+            for ids, mask in result.sequences:
+                writer.add(ids, mask, row_no)
+
+    try:
+        chunk = []
+        for row_no, row in shard_rows(job.shard):
+            tally["rows"] += 1
+            chunk.append((row_no, row))
+            if len(chunk) == ROWS_PER_CALL:
+                tokenize(chunk)
+                chunk = []
+        tokenize(chunk)
+        held = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    sidecar = {"shard": asdict(job.shard), "rows": tally["rows"], "skipped_rows": tally["skipped"],
+               "counts": dict(tally["counts"]), **held, "seconds": round(time.perf_counter() - start, 3)}
+    write_json_atomically(job.sidecar_path, sidecar)
+    return sidecar
+
+
+def completed_sidecar(job: ShardJob, repair: bool = True) -> dict | None:
+    """The shard's sidecar if the shard is complete and its file intact, else None. With
+    `repair` a damaged shard is reported and its sidecar removed, so that it is prepared again;
+    a rank watching another's shards only waits (a shared file system may show a new file's
+    size late)."""
+    try:
+        sidecar = json.loads(job.sidecar_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if sidecar.get("shard") != asdict(job.shard):
+        return None
+    try:
+        MappedShard(job.arrow_path, sidecar)
+    except DamagedShard as err:
+        if repair:
+            print(f"hpsft: {err}: preparing it again", file=sys.stderr, flush=True)
+            job.sidecar_path.unlink(missing_ok=True)
+        return None
+    return sidecar
+
+
+# ---- who prepares which shards -----------------------------------------------------------
+
+class Progress:
+    """Shards, rows, tokens/s and ETA of one source's preparation (a bar on a terminal) and a
+    closing line."""
+
+    def __init__(self, name: str, jobs: list[ShardJob], shown: bool):
+        self.name, self.shown = name, shown
+        self.total_bytes = sum(job.shard.input_bytes for job in jobs)
+        self.done_bytes = self.rows = self.tokens = 0
+        self.start = time.perf_counter()
+        self.bar = progress_bar(shown, total=len(jobs), desc=f"prepare {name}", unit="shard")
+
+    def add(self, sidecar: dict) -> None:
+        self.done_bytes += sidecar["shard"]["input_bytes"]
+        self.rows += sidecar["rows"]
+        self.tokens += sidecar["tokens"]
+        elapsed = time.perf_counter() - self.start
+        left = elapsed * (self.total_bytes - self.done_bytes) / max(self.done_bytes, 1)
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"{self.rows} rows, {self.tokens / max(elapsed, 1e-9):.0f} tok/s, "
+                                 f"ETA {time.strftime('%H:%M:%S', time.gmtime(left))}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class LocalRunner:
+    """Every job in this process: one at a time in it (num_proc 1), else over a pool."""
+
+    def __init__(self, num_proc: int):
+        self.num_proc = num_proc
+
+    def run(self, jobs: list[ShardJob], tokenizer, opts: TokenizeOptions, progress: Progress,
+            between=lambda: None) -> None:
+        """`between()` runs after each finished shard (a team checks the others' progress)."""
+        if self.num_proc == 1 or len(jobs) <= 1:
+            init_worker(tokenizer, opts)
+            for job in jobs:
+                progress.add(prepare_shard(job))
+                between()
+            return
+        # forkserver: workers start from a clean process, not a fork of this one (its threads,
+        # e.g. torch.distributed's, would be copied mid-state).
+        context = multiprocessing.get_context("forkserver")
+        with context.Pool(min(self.num_proc, len(jobs)), init_worker, (tokenizer, opts)) as pool:
+            for sidecar in pool.imap_unordered(prepare_shard, jobs):
+                progress.add(sidecar)
+                between()
+
+
+@dataclass(frozen=True)
+class Team:
+    """The ranks preparing shards together: this one is `index` of `size` of them; `attempt`
+    names this start of the job (every rank knows it), for its error files."""
+
+    rank: int
+    index: int
+    size: int
+    attempt: str
+
+
+class TeamRunner:
+    """A share of the shards here, then wait for the team's other shards (see the module doc)."""
+
+    def __init__(self, team: Team, num_proc: int):
+        self.team, self.local = team, LocalRunner(num_proc)
+
+    def error_dir(self, store_dir: Path) -> Path:
+        return store_dir / "errors" / self.team.attempt
+
+    def check_others(self, store_dir: Path) -> None:
+        """Stop with the first failure another rank of the team reported."""
+        folder = self.error_dir(store_dir)
+        if folder.is_dir():
+            for path in sorted(folder.glob("rank-*.txt")):
+                raise OtherRankFailed(f"data preparation failed on rank {path.stem[len('rank-'):]}: "
+                                      f"{path.read_text().strip()}")
+
+    def report_failure(self, store_dir: Path, err: Exception) -> None:
+        folder = self.error_dir(store_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        message = str(err) if isinstance(err, DataError) else f"{type(err).__name__}: {err}"
+        write_atomically(folder / f"rank-{self.team.rank}.txt", lambda tmp: tmp.write_text(message + "\n"))
+
+    def run(self, jobs: list[ShardJob], tokenizer, opts: TokenizeOptions, progress: Progress) -> None:
+        store_dir = Path(jobs[0].store_dir)
+        mine = [job for job in jobs if job.index % self.team.size == self.team.index]
+        theirs = {job.index: job for job in jobs if job.index % self.team.size != self.team.index}
+
+        def collect_theirs():
+            self.check_others(store_dir)
+            for index, job in list(theirs.items()):
+                sidecar = completed_sidecar(job, repair=False) if job.sidecar_path.is_file() else None
+                if sidecar is not None:
+                    progress.add(sidecar)
+                    del theirs[index]
+
+        try:
+            self.local.run(mine, tokenizer, opts, progress, between=collect_theirs)
+        except Exception as err:
+            if not isinstance(err, OtherRankFailed):
+                self.report_failure(store_dir, err)
+            raise
+        while theirs:
+            time.sleep(POLL_S)
+            collect_theirs()
+
+
+class OtherRankFailed(DataError):
+    pass
+
+
+# ---- a source's store ---------------------------------------------------------------------
+
+def manifest_of(store_dir: Path, key: str) -> dict | None:
+    try:
+        manifest = json.loads((store_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if manifest.get("key") == key else None
+
+
+def summarize(identity: dict, key: str, plan: list[Shard], sidecars: list[dict]) -> dict:
+    counts = Counter()
+    for sidecar in sidecars:
+        counts.update(sidecar["counts"])
+    return {
+        "key": key,
+        **identity,
+        "shards": [asdict(shard) for shard in plan],
+        "rows": sum(s["rows"] for s in sidecars),
+        "skipped_rows": sum(s["skipped_rows"] for s in sidecars),
+        "sequences": sum(s["sequences"] for s in sidecars),
+        "tokens": sum(s["tokens"] for s in sidecars),
+        "supervised_tokens": sum(s["supervised_tokens"] for s in sidecars),
+        "counts": dict(sorted(counts.items())),
+        "shard_files": [{k: s[k] for k in ("sequences", "tokens", "supervised_tokens", "longest", "file_bytes")}
+                        for s in sidecars],
+    }
+
+
+def open_store(store_dir: Path, manifest: dict) -> TokenStore:
+    files = [(store_dir / f"shard-{i:05d}.arrow", held) for i, held in enumerate(manifest["shard_files"])]
+    return TokenStore(files, manifest)
+
+
+def is_store(entry: str) -> bool:
+    """A folder holding a prepared store (hpsft prepare-data --store writes one)."""
+    return (Path(entry) / MANIFEST).is_file()
+
+
+def prepared_store(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner=None,
+                   shard_mb: float = DEFAULT_SHARD_MB, name: str | None = None, report: bool = False,
+                   bar: bool = False) -> TokenStore:
+    """The token store of one data source: an entry of data.train_files naming a file, folder
+    or glob (prepared into data.cache_dir by `runner`, default this process alone, unless
+    already complete there), or a folder holding a store prepared before. `report`: this
+    process prints what is prepared and what the store holds (one rank does); `bar`: and a
+    progress bar on a terminal."""
+    name = name or Path(entry).name
+    if is_store(entry):
+        store_dir = Path(entry)
+        manifest = checked_manifest(store_dir, tokenizer, opts)
+        try:
+            store = open_store(store_dir, manifest)
+        except DamagedShard as err:
+            raise DataError(f"{err}: prepare the store again (hpsft prepare-data ... --store)") from None
+    else:
+        store_dir, manifest = prepare(entry, tokenizer, opts, cache_dir, runner, shard_mb, name, report, bar)
+        try:
+            store = open_store(store_dir, manifest)
+        except DamagedShard as err:  # prepared again, shard by shard
+            print(f"hpsft: {err}: preparing the damaged shards again", file=sys.stderr, flush=True)
+            store_dir, manifest = prepare(entry, tokenizer, opts, cache_dir, runner, shard_mb, name, report, bar,
+                                          check_shards=True)
+            store = open_store(store_dir, manifest)
+    if report:
+        print(f"hpsft: data {name}: {summary_text(manifest)} ({store_dir})", flush=True)
+    return store
+
+
+def checked_manifest(store_dir: Path, tokenizer, opts: TokenizeOptions) -> dict:
+    """A prepared store's manifest, if it fits this run: the same tokenizer (vocabulary, special
+    tokens, chat template) and no sequence over data.max_length."""
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    if manifest.get("format") != STORE_FORMAT:
+        raise DataError(f"{store_dir} is a token store of format {manifest.get('format')}, this hpsft reads "
+                        f"format {STORE_FORMAT}: prepare it again")
+    ours = tokenizer_identity(tokenizer)
+    differing = [key for key in ours if manifest["tokenizer"].get(key) != ours[key]]
+    if differing:
+        raise DataError(f"{store_dir} was prepared with another tokenizer ({', '.join(differing)} differ from "
+                        f"{tokenizer.name_or_path}'s): prepare it with this model's tokenizer, or train the model "
+                        "it was prepared for")
+    longest = max(held["longest"] for held in manifest["shard_files"])
+    if longest > opts.max_length:
+        raise DataError(f"{store_dir} holds sequences of up to {longest} tokens > data.max_length={opts.max_length}: "
+                        f"raise data.max_length, or prepare the store with --max-length {opts.max_length}")
+    return manifest
+
+
+def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner, shard_mb: float,
+            name: str, report: bool, bar: bool, check_shards: bool = False,
+            store_dir: Path | None = None) -> tuple[Path, dict]:
+    """The store folder of `entry` in cache_dir (or `store_dir`) and its manifest, after
+    preparing the shards not complete there. A complete store's shards are checked when it is
+    opened, or here with `check_shards`."""
+    files = expand_entry(entry)
+    if opts.chat_template is None and tokenizer.chat_template is None:
+        raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no chat template: name one with "
+                        "data.chat_template=<Jinja text or .jinja file>")
+    shard_bytes = max(1, int(shard_mb * (1 << 20)))
+    identity = store_identity(files, tokenizer, opts, shard_bytes)
+    key = store_key(identity)
+    store_dir = store_dir or Path(cache_dir) / key
+    manifest = manifest_of(store_dir, key)
+    if manifest is not None and not check_shards:
+        return store_dir, manifest
+    plan = [Shard(**shard) for shard in manifest["shards"]] if manifest else plan_shards(files, shard_bytes)
+    if not plan:
+        raise DataError(f"no usable rows in {entry}: its files are empty")
+    try:  # before tokenizing, which can take long
+        store_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"data.cache_dir={cache_dir}: cannot write the tokenized data there ({err.strerror}); "
+                        "choose another data.cache_dir") from None
+    jobs = [ShardJob(i, shard, str(store_dir)) for i, shard in enumerate(plan)]
+    done = {job.index: completed_sidecar(job) for job in jobs}
+    missing = [job for job in jobs if done[job.index] is None]
+    if missing:
+        if report:
+            print(f"hpsft: preparing data {name}: {len(missing)} of {len(jobs)} shards to tokenize "
+                  f"({len(jobs) - len(missing)} done before) into {store_dir}", flush=True)
+        progress = Progress(name, missing, report and bar)
+        try:
+            (runner or LocalRunner(1)).run(missing, tokenizer, opts, progress)
+        finally:
+            progress.close()
+        if report:
+            seconds = time.perf_counter() - progress.start
+            print(f"hpsft: prepared data {name}: {progress.rows} rows, {progress.tokens} tokens in {seconds:.1f} s "
+                  f"({progress.tokens / max(seconds, 1e-9):.0f} tokens/s)", flush=True)
+        done = {job.index: completed_sidecar(job) for job in jobs}
+        lost = [job.arrow_path.name for job in jobs if done[job.index] is None]
+        if lost:
+            raise DataError(f"data preparation finished but shards {lost} of {store_dir} are not complete: were "
+                            "they removed meanwhile? Run again to prepare them")
+    manifest = summarize(identity, key, plan, [done[job.index] for job in jobs])
+    if manifest["sequences"] == 0:
+        raise DataError(f"no usable rows in {[str(f) for f in files]}")
+    write_json_atomically(store_dir / MANIFEST, manifest)
+    return store_dir, manifest
+
+
+def summary_text(manifest: dict) -> str:
+    """What a store holds and what the data stage did to get there, in one line."""
+    counts = ", ".join(f"{event} {n}" for event, n in manifest["counts"].items())
+    return (f"{manifest['rows']} rows -> {manifest['sequences']} sequences, {manifest['tokens']} tokens "
+            f"({manifest['supervised_tokens']} supervised), {manifest['skipped_rows']} rows skipped"
+            + (f"; {counts}" if counts else ""))
