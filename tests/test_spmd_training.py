@@ -68,7 +68,9 @@ def one_process_run(tmp_path_factory, model_path, chat_rows):
 @pytest.mark.parametrize("split", ["fixed", "token_budget"])
 def test_dp_and_micro_batch_invariance(tmp_path, model_path, one_process_run, split):
     """(1 process, 1 micro-batch of 4) == (2 processes, 2 micro-batches each), the second
-    split by a fixed size of 1 sequence or by a token budget."""
+    split by a fixed size of 1 sequence or by a token budget.
+    Planted: the engine's `loss * self.dp_size` dropped: [fixed]'s grad norms half the one
+    process's (16.28 vs 32.57 at step 1), the losses within 3.7e-8."""
     train, val, one = one_process_run
     two_split = ({"data.micro_batch_size_per_gpu": 1} if split == "fixed"
                  else {"data.max_tokens_per_micro_batch": 70, "data.max_length": 70})  # a rank's 2 exceed 70
