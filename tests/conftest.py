@@ -85,7 +85,6 @@ FAST_TESTS = (
     "tests/test_engine_parts.py::test_warmup_then_cosine_to_the_minimum",
     "tests/test_spmd_training.py::test_dp_and_micro_batch_invariance[fixed]",  # the trainer, 1 vs 2 ranks
     "tests/test_checkpoint_dirs.py::test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used",
-    "tests/test_elastic_resume.py::test_a_position_in_samples_gives_every_dp_size_the_same_remaining_steps",
     "tests/test_elastic_resume.py::test_a_checkpoint_resumes_exactly_with_and_without_zero[ds2-default]",
     "tests/test_run_fingerprint.py::test_differences_name_each_changed_key_old_to_new",
     "tests/test_sequence_parallel.py::test_a_row_cut_across_the_group_keeps_every_label_and_position",
