@@ -179,7 +179,7 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, mode
     grad norm, val loss within 1e-6; measured: equal to every digit); planted: the engine
     counting every optimizer file as a DP shard (2 TP files: 2 ZeRO shards for 1 DP rank, a
     conversion to the universal layout): the resumed step-2 loss 10.808 vs 10.706, failed. One
-    process resuming it is refused by name."""
+    process resuming it, and `hpsft export` of it, are refused by name."""
     model = tiny_llama(tmp_path / "model", vocab=49152)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (tmp_path / "model" / name).write_bytes((REPO / model_path / name).read_bytes())
@@ -230,4 +230,8 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, mode
     proc = run_cli("hpsft.train", overrides(tmp_path / "one_from_tp2", **{"trainer.resume": checkpoint}))
     assert proc.returncode != 0 and (f"hpsft: error: {checkpoint} was written with engine.tensor_parallel_size=2 "
                                      "and 1 data-parallel ranks, this run has 1 and 1") in proc.stderr, \
+        proc.stderr[-3000:]
+    proc = run_cli("hpsft.export", [str(checkpoint), str(tmp_path / "exported")])
+    assert proc.returncode != 0 and (f"hpsft: error: {checkpoint} was written with engine.tensor_parallel_size > 1 "
+                                     "(one file per TP rank): exporting it is not supported yet") in proc.stderr, \
         proc.stderr[-3000:]
