@@ -11,8 +11,9 @@ MODEL_FULL := .cache/models/smollm2-135m
 MODEL_DEMO := .cache/models/smollm2-135m-4l
 MODEL_TEST := .cache/models/smollm2-135m-2l
 DATA := .cache/data/chatterbot
+DATA_SHAREGPT := .cache/data/sharegpt
 
-.PHONY: demo test install model data bench clean-venv
+.PHONY: demo test test-fast install model data data-sharegpt bench clean-venv
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
@@ -38,8 +39,13 @@ $(MODEL_TEST)/config.json: $(MODEL_FULL)/config.json
 $(DATA)/train.parquet: $(VENV)/.installed
 	$(PY) -m hpsft.prepare_data --out $(DATA)
 
+$(DATA_SHAREGPT)/train.parquet: $(VENV)/.installed
+	$(PY) -m hpsft.prepare_data --out $(DATA_SHAREGPT) --sharegpt 100000 --sharegpt-only
+
 model: $(MODEL_DEMO)/config.json $(MODEL_TEST)/config.json
 data: $(DATA)/train.parquet
+# The packaged ShareGPT conversations alone (11k multi-turn chats): configs/mixture.yaml's second entry.
+data-sharegpt: $(DATA_SHAREGPT)/train.parquet
 
 # Fine-tune the default model on the default data; writes runs/default/.
 # A fresh run each time (the run directory's previous outputs are replaced), then the
@@ -54,6 +60,10 @@ demo: model data
 # The whole suite (CPU, gloo, real model and data).
 test: model data
 	$(PY) -m pytest tests --durations=30 $(PYTEST_ARGS)
+
+# The quick loop: each subsystem's cheapest strong test (tests/conftest.py FAST_TESTS, docs/testing.md).
+test-fast: model data
+	$(PY) -m pytest tests -m fast --durations=10 $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -5,6 +5,7 @@ import shutil
 import socket
 import subprocess
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -112,14 +113,51 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+@dataclass(frozen=True)
+class Mesh:
+    """Where a rank sits when the world is DP x TP x SP. The model-parallel groups (TP or SP,
+    not both yet) are runs of consecutive ranks (the ranks of one node first, where their
+    collectives are cheapest; DeepSpeed's AutoTP mesh is laid out the same way), and the i-th
+    group is data-parallel rank i. Every rank of a group gets the same rows."""
+    dp_size: int
+    tp_size: int
+    sp_size: int
+    rank: int
+
+    @property
+    def group_size(self) -> int:
+        return self.tp_size * self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.group_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.group_size if self.tp_size > 1 else 0
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.group_size if self.sp_size > 1 else 0
+
+    def coordinates(self) -> str:
+        return f"rank {self.rank}: dp {self.dp_rank}, tp {self.tp_rank}, sp {self.sp_rank}"
+
+
+def mesh(tp_size: int = 1, sp_size: int = 1, of_rank: int | None = None) -> Mesh:
+    """The mesh of this world and `of_rank`'s place in it (default: this process's)."""
+    group = tp_size * sp_size
+    if world_size() % group:
+        kind = "tensor" if tp_size > 1 else "sequence"  # one of them at a time (EngineConfig)
+        raise UserInputError(f"engine.{kind}_parallel_size={group} does not divide the world size {world_size()}: "
+                             f"the world is data-parallel size x {kind}-parallel size")
+    return Mesh(world_size() // group, tp_size, sp_size, rank() if of_rank is None else of_rank)
+
+
 def sequence_parallel_layout(sp_size: int) -> tuple[int, int, int]:
-    """(dp_rank, dp_size, sp_rank) of this process when the world is dp_size x sp_size: SP
-    groups are runs of consecutive ranks (the ranks of one node first, where the attention's
-    all-to-all is cheapest), and the i-th group is data-parallel rank i."""
-    if world_size() % sp_size:
-        raise UserInputError(f"engine.sequence_parallel_size={sp_size} does not divide the world size "
-                             f"{world_size()}: the world is data-parallel size x sequence-parallel size")
-    return rank() // sp_size, world_size() // sp_size, rank() % sp_size
+    """(dp_rank, dp_size, sp_rank) of this process when the world is dp_size x sp_size (Mesh)."""
+    place = mesh(sp_size=sp_size)
+    return place.dp_rank, place.dp_size, place.sp_rank
 
 
 def sequence_parallel_group(sp_size: int):

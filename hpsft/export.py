@@ -74,6 +74,11 @@ def checkpoint_tensors(checkpoint: Path, expected: set[str]) -> dict:
 
     from hpsft.engine.deepspeed_engine import MODEL_STATES
 
+    if list(checkpoint.glob("*mp_rank_01_*")):
+        # zero_to_fp32 would read the first TP rank's shards as if they were the whole weights.
+        raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size > 1 (one file per TP "
+                             "rank): exporting it is not supported yet; a run's own export at its end "
+                             "(trainer.export_hf=true) writes whole weights (docs/tensor_parallel.md)")
     if list(checkpoint.glob("*optim_states.pt")):
         lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
     elif (checkpoint / MODEL_STATES).is_file():  # written without ZeRO (one process runs ZeRO-1/2 so)

@@ -1,6 +1,8 @@
 """Chat data -> the parquet hpsft trains on, with a report of what was kept and why not.
 
     hpsft prepare-data --out .cache/data/chatterbot          the packaged corpora (what `make data` builds)
+    hpsft prepare-data --out .cache/data/sharegpt --sharegpt 100000 --sharegpt-only
+                                                             the packaged ShareGPT alone (`make data-sharegpt`)
     hpsft prepare-data chats.jsonl more.parquet --out data/mine --val-fraction 0.05
     hpsft prepare-data sharegpt.json --messages-key conversations --dedupe --out data/sg
     hpsft prepare-data alpaca.json --prompt-key instruction --response-key output --out data/alpaca
@@ -303,8 +305,9 @@ def prepare_files(args) -> dict:
     if args.truncation != "drop" and args.max_length is None:
         raise UserInputError(f"--truncation {args.truncation} fits rows to --max-length: give --max-length "
                              "(and --tokenizer)")
-    if args.sharegpt:
-        raise UserInputError("--sharegpt adds packaged ShareGPT conversations: it goes without input files")
+    if args.sharegpt or args.sharegpt_only:
+        raise UserInputError("--sharegpt and --sharegpt-only take packaged ShareGPT conversations: they go without "
+                             "input files")
     val_fraction = args.val_fraction or 0.0
     if not 0 <= val_fraction < 1:
         raise UserInputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -399,6 +402,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shard-mb", type=float, default=None, help="input per store shard (default 16)")
     parser.add_argument("--sharegpt", type=int, default=0,
                         help="packaged corpora only: also take the first N packaged ShareGPT conversations")
+    parser.add_argument("--sharegpt-only", action="store_true",
+                        help="packaged corpora only: the --sharegpt conversations without the chatterbot ones")
     args = parser.parse_args(argv)
     if not args.inputs:
         given = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "max_length", "chat_template", "split",
@@ -408,8 +413,10 @@ def main(argv=None) -> int:
         if given:
             raise UserInputError(f"{', '.join(given)} go with input files; the packaged corpora take --out, "
                                  "--val-fraction, --seed and --sharegpt")
+        if args.sharegpt_only and not args.sharegpt:
+            raise UserInputError("--sharegpt-only keeps the packaged ShareGPT conversations alone: give --sharegpt N")
         val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
-        for path in chat_corpora.build(args.out, val_fraction, args.sharegpt, args.seed):
+        for path in chat_corpora.build(args.out, val_fraction, args.sharegpt, args.seed, not args.sharegpt_only):
             print(f"{path} ({pq.read_metadata(path).num_rows} rows)")
         return 0
     print(report_text(prepare_files(args)))

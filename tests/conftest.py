@@ -1,5 +1,9 @@
-"""Shared fixtures: the real (layer-cut) SmolLM2 model, cut-down real chat data, and a
-runner for the real CLI in fresh processes (one process, or torchrun with N ranks)."""
+"""Shared fixtures: the real (layer-cut) SmolLM2 model, cut-down real chat data, a runner
+for the real CLI in fresh processes (one process, or torchrun with N ranks), and the
+comparison of two runs step by step (loss and unclipped gradient norm).
+
+`@pytest.mark.fast` marks each subsystem's cheapest strong test: `make test-fast` runs them
+(docs/testing.md)."""
 
 import json
 import os
@@ -51,6 +55,71 @@ def pytest_sessionfinish(session):
     lines = [f"{'cpu_s':>8} {'wall_s':>8}  test"] + [f"{c:8.1f} {w:8.1f}  {t}" for c, w, t in rows]
     lines.append(f"{sum(r[0] for r in rows):8.1f} {sum(r[1] for r in rows):8.1f}  total ({len(rows)} tests)")
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+# The quick loop (make test-fast, docs/testing.md): each subsystem's cheapest strong test, by
+# node id (a function's id takes all its parameters). One list, whoever owns the test file.
+FAST_TESTS = (
+    "tests/test_config.py::test_bad_config_names_the_key",  # config
+    "tests/test_chat_data.py::test_loss_mask_is_exactly_the_assistant_turns",  # data
+    "tests/test_chat_data.py::test_bad_row_names_file_and_row",
+    "tests/test_chat_templates.py::test_each_template_supervises_exactly_the_assistant_turns",
+    "tests/test_prepare.py::test_prepare_data_refuses_what_it_cannot_read",
+    "tests/test_data_mixing.py::test_weights_3_to_1_give_a_binomial_ratio_and_each_source_is_drawn_without_replacement",
+    "tests/ops/test_varlen_ce.py::test_logits_api_matches_reference",  # the loss op against fp64
+    "tests/ops/test_edge_cases.py::test_nothing_supervised_gives_zero_loss_and_gradients",
+    "tests/ops/test_gradcheck.py::test_linear_gradcheck",
+    "tests/ops/test_bf16_gemms.py::test_bf16_inputs_match_the_fp64_reference",
+    "tests/test_packing.py::test_packed_forward_equals_each_sequence_alone",  # packing
+    "tests/test_packing.py::test_fixed_and_token_budget_splits_give_the_same_loss_and_gradients",
+    "tests/test_packing.py::test_micro_batch_plans_place_every_sample_once_within_budget",
+    # hpsft's packed loss and gradients against the model's own HF eager forward: a plain family,
+    # a sliding window, soft-caps, sinks
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[llama]",
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[mistral]",
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[gemma2]",
+    "tests/test_model_families.py::test_packed_loss_and_gradients_equal_the_models_own_forward[gpt_oss]",
+    "tests/test_optimizer.py::test_engine_steps_equal_plain_torch_adamw_with_clipping",  # engine
+    "tests/test_optimizer.py::test_the_gradient_norm_is_fp64_accurate",
+    "tests/test_engine_parts.py::test_gradient_checkpointing_gives_the_same_gradients",
+    "tests/test_engine_parts.py::test_warmup_then_cosine_to_the_minimum",
+    "tests/test_spmd_training.py::test_dp_and_micro_batch_invariance[fixed]",  # the trainer, 1 vs 2 ranks
+    "tests/test_checkpoint_dirs.py::test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used",
+    "tests/test_elastic_resume.py::test_a_checkpoint_resumes_exactly_with_and_without_zero[ds2-default]",
+    "tests/test_run_fingerprint.py::test_differences_name_each_changed_key_old_to_new",
+    "tests/test_sequence_parallel.py::test_a_row_cut_across_the_group_keeps_every_label_and_position",
+    "tests/test_sequence_parallel.py::test_tiled_mlps_give_the_untiled_gradients_in_tiles",
+    "tests/test_sampler.py::test_every_number_of_parts_continues_from_a_position_on_the_straight_runs_samples",
+    "tests/test_sampler.py::test_split_by_cost_keeps_sizes_even_and_balances_costs",
+    "tests/test_data_stage.py::test_the_store_is_the_same_whatever_the_shards_and_worker_processes",
+    "tests/test_slurm.py::test_batch_step_process_is_alone_and_srun_tasks_are_ranks",
+    "tests/test_fault_tolerance.py::test_first_signal_is_noted_and_a_second_one_kills_at_once",
+    "tests/test_cli_errors.py::test_bad_input_fails_in_one_line_and_writes_nothing[unknown_key]",
+    "tests/test_cli_tool.py::test_top_level_help_lists_every_subcommand",
+    "tests/test_tracking.py::test_a_credential_in_the_config_is_refused",
+    "tests/test_mfu.py::test_the_peak_is_configured_else_a_known_accelerators_datasheet_else_measured",
+    "tests/test_trust.py::test_path_inside_refuses_names_leaving_the_folder",
+    "tests/test_device_selection.py::test_a_rank_takes_its_local_rank_or_its_only_device",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: the quick loop (make test-fast): each subsystem's cheapest strong test")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark FAST_TESTS `fast`; under -m fast with the whole suite collected, a listed name that
+    matches no test is an error (a renamed test must not drop out of the loop unseen)."""
+    matched = set()
+    for item in items:
+        name = item.nodeid.split("[")[0]
+        for fast in FAST_TESTS:
+            if item.nodeid == fast or name == fast:
+                item.add_marker(pytest.mark.fast)
+                matched.add(fast)
+    whole_suite = {Path(str(arg)).resolve() for arg in config.args} <= {REPO / "tests", REPO}
+    if config.option.markexpr == "fast" and whole_suite and set(FAST_TESTS) - matched:
+        raise pytest.UsageError(f"FAST_TESTS names no collected test: {sorted(set(FAST_TESTS) - matched)}")
 
 
 @pytest.fixture(scope="session")
@@ -107,13 +176,48 @@ def write_tiny_llama(folder: Path) -> Path:
     return folder
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, model_path) -> str:
+    """A 2-layer Llama with random weights (seed 0) shaped like SmolLM2 (tied embeddings, grouped
+    key/value heads, its 49152-token vocabulary) but 64 wide, with SmolLM2's tokenizer and chat
+    template: the CLI trains it on the real chat data at a fraction of the 2-layer SmolLM2's cost
+    (weights, optimizer state and checkpoints ~20x smaller). For tests that compare two paths of
+    the same run and need no pretrained weights."""
+    import shutil
+
+    import torch
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny_chat_model")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=2,
+        bos_token_id=1, eos_token_id=2,
+    )).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(model_path) / name, folder / name)
+    return str(folder)
+
+
+def chat_parquet(folder: Path, chat_rows: list, train: int = 16, val: int = 8, first: int = 0
+                 ) -> tuple[str, str | None]:
+    """Conversations [first, first + train) as folder/train.parquet and the `val` after them as
+    folder/val.parquet (None when val is 0), one `messages` row each: most tests' data files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"messages": c} for c in chat_rows[first:first + train + val]]
+    assert len(rows) == train + val, f"only {len(rows)} conversations from {first}"
+    return (write_parquet(rows[:train], folder / "train.parquet"),
+            write_parquet(rows[train:], folder / "val.parquet") if val else None)
+
+
 @pytest.fixture
 def tiny_data(tmp_path, chat_rows):
     """16 train and 8 validation conversations as parquet."""
-    return (
-        write_parquet([{"messages": c} for c in chat_rows[:16]], tmp_path / "train.parquet"),
-        write_parquet([{"messages": c} for c in chat_rows[16:24]], tmp_path / "val.parquet"),
-    )
+    return chat_parquet(tmp_path, chat_rows)
 
 
 def train_env() -> dict:
@@ -155,6 +259,43 @@ def run_cli(module: str | None, args: list[str], nproc: int = 1, timeout: int = 
 
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def train_steps(run_dir) -> dict[int, dict]:
+    """step -> its training metrics (a step re-run after a restart: its last record)."""
+    return {m["step"]: m for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+# What two runs of the same steps must agree on. The loss alone is not enough: with clipping
+# binding (grad_clip=1.0 against norms of ~28 on the test model) and Adam nearly invariant to a
+# constant gradient scale, a wrong token count on one path leaves losses and weights equal to
+# 1e-7; the unclipped norm (train/grad_norm) moves with it.
+STEP_VALUES = ("train/loss", "train/grad_norm")
+STEP_COUNTS = ("train/tokens", "train/loss_tokens")
+
+
+def assert_same_steps(ours: dict[int, dict], reference: dict[int, dict], steps, rtol: float) -> None:
+    """Each of `steps` (train_steps records) of both runs: the same samples (token and loss-token
+    counts, equal) and loss and unclipped gradient norm within `rtol` relative. Prints the
+    largest difference of each value."""
+    steps = list(steps)
+    assert set(steps) <= ours.keys() and set(steps) <= reference.keys(), (sorted(ours), sorted(reference), steps)
+    for step in steps:
+        for key in STEP_COUNTS:
+            assert ours[step][key] == reference[step][key], (step, key, ours[step][key], reference[step][key])
+    errors = {(key, step): rel_diff(ours[step][key], reference[step][key]) for key in STEP_VALUES for step in steps}
+    print("; ".join(f"{key} worst rel diff {max(errors[key, s] for s in steps):.1e}" for key in STEP_VALUES))
+    bad = {f"{key} step {step}": (ours[step][key], reference[step][key])
+           for (key, step), error in errors.items() if error > rtol}
+    assert not bad, f"beyond rtol {rtol:.0e} (ours, reference): {bad}"
 
 
 def base_overrides(model_path, train, val, out_dir, **extra) -> list[str]:

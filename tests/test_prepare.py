@@ -111,6 +111,19 @@ def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):
     assert "no row of" in capsys.readouterr().err and not (tmp_path / "out" / "train.parquet").exists()
     assert prepare_data(["--out", str(tmp_path / "out"), "--dedupe"]) == 2  # the packaged corpora
     assert "--dedupe go with input files" in capsys.readouterr().err
+    assert prepare_data(["--out", str(tmp_path / "out"), "--sharegpt-only"]) == 2
+    assert "give --sharegpt N" in capsys.readouterr().err
+
+
+def test_the_packaged_sharegpt_alone(tmp_path, capsys):
+    """`make data-sharegpt`'s command at 20 conversations: ShareGPT's and no chatterbot row."""
+    from hpsft.assets.chat_corpora import sharegpt_conversations
+
+    assert prepare_data(["--out", str(tmp_path / "sg"), "--sharegpt", "20", "--sharegpt-only"]) == 0
+    written = [row for name in ("train", "val") for row in pq.read_table(tmp_path / "sg" / f"{name}.parquet")
+               .column("messages").to_pylist()]
+    expected = sharegpt_conversations(20)
+    assert len(written) == 20 and sorted(map(str, written)) == sorted(map(str, expected))
 
 
 def test_prepare_model_copies_and_cuts_a_hugging_face_folder(tmp_path, capsys, model_path):

@@ -17,7 +17,7 @@ from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_l
 from hpsft.data.sequence_split import real_tokens, split_row
 from hpsft.errors import UserInputError
 from hpsft.models.ulysses_attention import check_heads
-from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet
+from tests.conftest import REPO, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff, run_cli, train_steps
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "sequence_parallel_steps.py")
 VOCAB = 512
@@ -29,6 +29,25 @@ def tiny_llama(folder, heads: int = 4, kv_heads: int = 2, vocab: int = VOCAB) ->
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
                          max_position_embeddings=256, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def tiny_gpt_oss(folder) -> str:
+    """GPT-OSS: attention sinks (one logit per query head), a sliding window of 8 on layer 0
+    (the step's rows run up to 58 tokens), 2 experts. Sinks far from zero and different per
+    head: a rank given another rank's sinks computes another attention."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                          tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor([-1.5, 2.0, 0.5, 3.0]))
+    model.save_pretrained(folder)
     return str(folder)
 
 
@@ -131,11 +150,15 @@ def rel_error(grads: dict, reference: dict) -> float:
 def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
     """2 ranks: DP=1 x SP=2 (ZeRO 0-3; GQA with 2 key/value heads, and with 1 repeated
     to the 4 query heads; with activation checkpointing, which repeats the all-to-all in the
-    recomputation; with tiled MLPs, also at DP=2, under ZeRO-3 with an agreed tile count and under ZeRO-2
-    without) vs DP=2 x SP=1 on the same global batches,
-    two steps each; step 1 also against one process on the same (untiled) packed rows."""
+    recomputation; with tiled MLPs, also at DP=2, under ZeRO-3 with an agreed tile count and
+    under ZeRO-2 without; GPT-OSS with attention sinks) vs DP=2 x SP=1 on the same global
+    batches, two steps each; step 1 also against one process on the same (untiled) packed rows.
+    Planted: GPT-OSS's sinks passed whole after the all-to-all (RuntimeError in explicit_attention,
+    the defect this layout was added for); every rank given rank 0's sinks: step-1 loss off by
+    3.0e-5, gradients by 6.3e-2."""
     gqa = tiny_llama(tmp_path / "gqa")
     one_kv = tiny_llama(tmp_path / "one_kv", kv_heads=1)
+    sinks = tiny_gpt_oss(tmp_path / "gpt_oss")
     # Step 1's rows: cut inside a sequence longer than half its row (and padded from 57 to 58),
     # at a sequence boundary, around a 1-token sequence, and inside a short one.
     lengths = [40, 9, 8, 12, 12, 13, 1, 6, 11, 30, 7, 5, 21, 16]
@@ -152,12 +175,14 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
                {"name": "tiled mlp, zero3 sp2", "model": gqa, "zero_stage": 3, "sp": 2, "tiled_mlp_tokens": 8},
                {"name": "tiled mlp, zero3 dp2", "model": gqa, "zero_stage": 3, "sp": 1, "tiled_mlp_tokens": 8},
                # Outside ZeRO-3 each rank tiles its own row (different counts, no collective).
-               {"name": "tiled mlp, zero2 dp2", "model": gqa, "zero_stage": 2, "sp": 1, "tiled_mlp_tokens": 8}]
+               {"name": "tiled mlp, zero2 dp2", "model": gqa, "zero_stage": 2, "sp": 1, "tiled_mlp_tokens": 8},
+               # Each rank attends with 2 of the 4 heads: it must take those heads' sinks.
+               {"name": "gpt-oss sinks, zero2 sp2", "model": sinks, "zero_stage": 2, "sp": 2}]
     torch.save({"sequences": samples, "steps": steps, "layouts": layouts}, tmp_path / "spec.pt")
     proc = run_cli(None, [str(tmp_path / "spec.pt"), str(tmp_path / "out.pt")], nproc=2, script=SCRIPT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     runs = torch.load(tmp_path / "out.pt")
-    references = {path: one_process_step(path, samples, steps[0]) for path in (gqa, one_kv)}
+    references = {path: one_process_step(path, samples, steps[0]) for path in (gqa, one_kv, sinks)}
     figures = {}  # all measured first: a failure shows every one
     for layout in layouts:
         loss, grads = references[layout["model"]]
@@ -176,20 +201,16 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def sp2_run(tmp_path_factory, model_path, chat_rows):
-    """A DP=1 x SP=2 CLI run of 2 steps (token-budget rows, validation, a checkpoint per
+def sp2_run(tmp_path_factory, tiny_chat_model, chat_rows):
+    """A DP=1 x SP=2 CLI run of 3 steps (token-budget rows, validation, a checkpoint per
     step) on a 4-head GQA model with SmolLM2's tokenizer, and the overrides that made it."""
     root = tmp_path_factory.mktemp("sp2_run")
-    model = tiny_llama(root / "model", vocab=49152)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{model_path}/{name}", root / "model" / name)
-    train = write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet")
-    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], root / "val.parquet")
+    train, val = chat_parquet(root, chat_rows, train=16, val=4)
 
     def overrides(out, **extra):
-        return base_overrides(model, train, val, out, **{
-            "data.max_tokens_per_micro_batch": 256, "trainer.save_every": 1, "trainer.export_hf": "false",
-            "trainer.peak_flops_per_device": 1e12, **extra})
+        return base_overrides(tiny_chat_model, train, val, out, **{
+            "data.max_tokens_per_micro_batch": 256, "trainer.total_steps": 3, "trainer.save_every": 1,
+            "trainer.export_hf": "false", **extra})
 
     out = root / "sp2"
     proc = run_cli("hpsft.train", overrides(out, **{"engine.sequence_parallel_size": 2}), nproc=2)
@@ -198,23 +219,25 @@ def sp2_run(tmp_path_factory, model_path, chat_rows):
     return out, overrides
 
 
-def assert_same_step_2(straight_run, resumed_run) -> None:
-    """The resumed run's step 2 is the straight SP=2 run's: loss, validation loss, and the
-    token counts every rank's shares (its slices') add up to."""
-    straight, after = read_metrics(straight_run)[-1], read_metrics(resumed_run)[-1]
-    keys = ("train/loss", "val/loss", "train/tokens", "train/loss_tokens", "perf/padding_efficiency")
-    print({key: (straight[key], after[key]) for key in keys})
-    assert straight["step"] == after["step"] == 2
-    for key in ("train/tokens", "train/loss_tokens"):
-        assert straight[key] == after[key]
-    for key in ("train/loss", "val/loss"):
-        assert abs(straight[key] - after[key]) <= 1e-5 * after[key], (key, straight[key], after[key])
+def assert_same_steps_2_and_3(straight_run, resumed_run) -> None:
+    """The resumed run's steps 2 and 3 are the straight SP=2 run's: the token counts every rank's
+    shares (its slices') add up to, loss, unclipped gradient norm (step 2's at the weights both
+    loaded, step 3's after an update of each) and the final validation loss (1e-5: the slices'
+    sums are added in another order)."""
+    straight, resumed = train_steps(straight_run), train_steps(resumed_run)
+    assert sorted(resumed) == [2, 3]
+    assert_same_steps(resumed, straight, [2, 3], rtol=1e-5)
+    assert rel_diff(straight[3]["val/loss"], resumed[3]["val/loss"]) <= 1e-5
 
 
 @pytest.mark.slow
 def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
     """The step-1 checkpoint of the SP=2 run, resumed by one process (SP=1; the ZeRO shards of
-    2 ranks converted), trains step 2 as the SP=2 run did."""
+    2 ranks converted), trains steps 2 and 3 as the SP=2 run did: the gradients of SP=2 through
+    TrainingWorker (its loss-token count over the SP group) against SP=1's.
+    Planted: the worker's `// self.sp_size` on the all-reduced loss-token count dropped (SP=2
+    counts every token twice): SP=2's grad norms half of SP=1's at steps 2 and 3 (rel diff 0.5),
+    step 3's loss 3.1e-5 off (step 2's, a forward at the loaded weights, equal)."""
     sp2, overrides = sp2_run
     checkpoint = sp2 / "checkpoints" / "global_step_1"
     resumed = tmp_path / "resumed"
@@ -222,14 +245,17 @@ def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert f"resumed from {checkpoint} at step 1 (written by a spmd run with 1 data-parallel ranks, now 1)" \
         in proc.stdout
-    assert_same_step_2(sp2, resumed)
+    assert_same_steps_2_and_3(sp2, resumed)
     # SP pads each row to a multiple of 2 tokens; one process has no padding.
     assert read_metrics(sp2)[-1]["perf/padding_efficiency"] < read_metrics(resumed)[-1]["perf/padding_efficiency"] == 1
 
 
 @pytest.mark.slow
 def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
-    """The same checkpoint resumed by a Ray driver over 2 workers with SP=2: the same step 2."""
+    """The same checkpoint resumed by a Ray driver over 2 workers with SP=2 (the driver counts
+    the loss tokens): the same steps 2 and 3.
+    Planted: the driver's count doubled (hpsft/ray/data_parallel.py): grad norms of steps 2 and
+    3 half the SPMD run's, step 3's loss 7.3e-5 off."""
     sp2, overrides = sp2_run
     on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
     try:
@@ -240,4 +266,4 @@ def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert_same_step_2(sp2, on_ray)
+    assert_same_steps_2_and_3(sp2, on_ray)

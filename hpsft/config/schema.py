@@ -242,10 +242,16 @@ class EngineConfig:
     # Ulysses sequence parallelism (docs/sequence_parallel.md): each packed row is cut along its
     # tokens across this many ranks; the world is data-parallel size x this.
     sequence_parallel_size: int = 1
+    # Tensor parallelism through DeepSpeed's AutoTP (docs/tensor_parallel.md): each decoder
+    # layer's linear weights are split over this many ranks; the world is data-parallel size x this.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         check_choice("engine", "zero_stage", self.zero_stage, {0, 1, 2, 3})
         check_positive("engine", "sequence_parallel_size", self.sequence_parallel_size)
+        check_positive("engine", "tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            self.check_tensor_parallel()
         check_choice("engine", "dtype", self.dtype, {"float32", "bfloat16"})
         check_positive("engine", "collective_timeout_s", self.collective_timeout_s)
         if self.offload_params and self.zero_stage != 3:
@@ -258,6 +264,18 @@ class EngineConfig:
             raise ValueError("engine.dtype=bfloat16 needs engine.zero_stage >= 1: without ZeRO, DeepSpeed "
                              "accumulates and all-reduces bf16 gradients in bf16, not fp32 "
                              "(engine.zero_stage=1 keeps the same bf16 weights on every rank)")
+
+    def check_tensor_parallel(self):
+        tp = f"engine.tensor_parallel_size={self.tensor_parallel_size}"
+        if self.zero_stage not in (1, 2):
+            # ZeRO-3's gathers and AutoTP's shards are not tested together here; without ZeRO the
+            # engine's own gradient norm (clip_unsharded_grads) would count each rank's shards only.
+            raise ValueError(f"{tp} needs engine.zero_stage=1 or 2, got {self.zero_stage}")
+        if self.sequence_parallel_size > 1:
+            raise ValueError(f"{tp} with engine.sequence_parallel_size={self.sequence_parallel_size}: tensor and "
+                             "sequence parallelism together are not supported yet; use one of them")
+        if self.offload_optimizer:
+            raise ValueError(f"{tp} with engine.offload_optimizer=true is not supported (not tested)")
 
 
 @dataclass(frozen=True)
@@ -384,3 +402,13 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self):
+        tp = self.engine.tensor_parallel_size
+        if tp > 1 and self.model.lora.rank:
+            # AutoTP would shard the base layers PEFT wraps: not shown exact, so not run.
+            raise ValueError(f"engine.tensor_parallel_size={tp} with model.lora.rank={self.model.lora.rank}: LoRA "
+                             "under tensor parallelism is not supported; use engine.tensor_parallel_size=1")
+        if tp > 1 and self.model.tiled_mlp_tokens is not None:
+            raise ValueError(f"engine.tensor_parallel_size={tp} with model.tiled_mlp_tokens: tiled MLPs under "
+                             "tensor parallelism are not supported (each rank's MLP is already 1/TP wide)")

@@ -11,6 +11,10 @@ gradient of its own token slice: the step's gradient is the sum over *every* ran
 DeepSpeed's data-parallel group here is the whole world (ZeRO shards its state over all
 ranks too, as DeepSpeed's own sequence-data-parallel group does). `dp_size` below is that
 group; the data-parallel size of sampling (world / SP) is the trainer's.
+
+With tensor parallelism (DeepSpeed's AutoTP, docs/tensor_parallel.md) DeepSpeed shards each
+decoder layer's linear weights over the TP group at initialize; its data-parallel group is then
+world / TP (the ranks holding the same shard), over which it averages gradients: `dp_size`.
 """
 
 import contextlib
@@ -185,6 +189,7 @@ class DeepSpeedEngine(TrainEngine):
         self.config = engine_config
         self.optim = optim_config
         self.total_steps = total_steps
+        self.tp_size = engine_config.tensor_parallel_size
         self.engine = None
         # The GPU-only settings (deepspeed_config, build_optimizer) follow this; tests set it
         # to read the configuration a GPU run gets.
@@ -219,7 +224,8 @@ class DeepSpeedEngine(TrainEngine):
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.on_cuda}
         if self.config.offload_params:
             zero["offload_param"] = {"device": "cpu", "pin_memory": self.on_cuda}
-        return {
+        tensor_parallel = {"tensor_parallel": {"autotp_size": self.tp_size}} if self.tp_size > 1 else {}
+        return tensor_parallel | {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             # Without ZeRO the engine clips by the norm it reports (clip_unsharded_grads):
@@ -334,7 +340,8 @@ class DeepSpeedEngine(TrainEngine):
         whole state. When the layouts differ the checkpoint is first converted to DeepSpeed's
         universal (per-parameter, dp-independent) form, then loaded from it."""
         folder = Path(root) / tag
-        saved_dp_size = len(list(folder.glob("*optim_states.pt")))  # 0 without ZeRO
+        # One optimizer file per dp rank (and per TP rank under TP: mp_rank_0<t>); 0 without ZeRO.
+        saved_dp_size = len(list(folder.glob("*mp_rank_00_optim_states.pt")))
         written_with_zero3 = bool(list(folder.glob("zero_pp_rank_*_model_states.pt")))
         if not (folder / MODEL_STATES).is_file() and not written_with_zero3:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
@@ -369,7 +376,7 @@ class DeepSpeedEngine(TrainEngine):
         # Rank 0 converts into a sibling folder (its name is no global_step_<N>: never resumed
         # from, nor rotated); every rank then loads from it; it goes at the end.
         universal = Path(root) / f"{tag}{UNIVERSAL_SUFFIX}"
-        if self.dp_rank == 0:
+        if dist.get_rank() == 0:
             shutil.rmtree(universal, ignore_errors=True)  # left by a crash during an earlier resume
             start = time.perf_counter()
             convert(universal)
@@ -378,7 +385,7 @@ class DeepSpeedEngine(TrainEngine):
         dist.barrier()
         load(root, universal.name)
         dist.barrier()
-        if self.dp_rank == 0:
+        if dist.get_rank() == 0:
             shutil.rmtree(universal)
 
     def load_universal_into_zero(self, root: str, tag: str) -> None:
@@ -431,6 +438,10 @@ class DeepSpeedEngine(TrainEngine):
         partitioned = [p for p in params if hasattr(p, "ds_id")]
         if self.stage == 3 and partitioned:
             return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+        if self.tp_size > 1:  # AutoTP's shards, gathered over the TP group (replicated ones: nothing to do)
+            from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+            return GatherReplacedLayerParams(params, module=None, enabled=True)
         return contextlib.nullcontext()
 
     def gathered_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -442,16 +453,19 @@ class DeepSpeedEngine(TrainEngine):
         for name in names:
             tensor = tensors[name]
             with self.gathered([tensor]):
-                yield name, tensor.detach().cpu().clone() if self.dp_rank == 0 else None
+                yield name, tensor.detach().cpu().clone() if dist.get_rank() == 0 else None
 
+    # DeepSpeed's data-parallel group: the whole world (SP included, see above), or under
+    # tensor parallelism the ranks of the same TP coordinate (its mesh: TP groups are runs of
+    # consecutive ranks).
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank()
+        return dist.get_rank() // self.tp_size
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size()
+        return dist.get_world_size() // self.tp_size
 
     @property
     def dp_group(self):
-        return dist.group.WORLD
+        return self.engine.data_parallel_group if self.tp_size > 1 else dist.group.WORLD

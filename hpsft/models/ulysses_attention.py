@@ -13,7 +13,10 @@ position ids. Attention needs whole sequences, so around the attention function:
 Rank r takes query heads [r*H/P, (r+1)*H/P) and key/value heads [r*K/P, (r+1)*K/P): with
 G = H/K query heads per key/value head these are exactly the key/value heads its query
 heads read. When K is not divisible by P (e.g. 2 key/value heads and SP=4) the key/value
-heads are repeated to H first (every query head its own copy: exact, more traffic).
+heads are repeated to H first (every query head its own copy: exact, more traffic). Per-head
+parameters the layer passes with them (GPT-OSS's sink logits `s_aux`, one per query head) are
+cut to the same H/P heads; each rank's slice then gets the gradient of its heads over the whole
+row, and the sum over the ranks (the engine's gradient reduction) is the whole gradient.
 
 The all-to-all exchanges equal chunks along dim 0, so its adjoint is the same exchange:
 the backward pass sends the gradients back the way the activations came.
@@ -93,6 +96,12 @@ def sequence_to_heads(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return chunks.transpose(0, 1).reshape(length, sp.size * heads, dim).unsqueeze(0)
 
 
+def this_ranks_heads(per_head: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """(H,) one value per query head -> (H/P,) those of the heads this rank attends with."""
+    heads = per_head.shape[0] // sp.size
+    return per_head[sp.rank * heads:(sp.rank + 1) * heads]
+
+
 def ulysses_attention(module, query, key, value, attention_mask, sequence_parallel: SequenceParallel | None = None,
                       position_ids=None, **kwargs):
     """The attention function transformers calls (registered as ULYSSES_IMPLEMENTATION):
@@ -104,6 +113,8 @@ def ulysses_attention(module, query, key, value, attention_mask, sequence_parall
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
         value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
     query, key, value = (heads_to_sequence(t, sp) for t in (query, key, value))
+    if kwargs.get("s_aux") is not None:
+        kwargs["s_aux"] = this_ranks_heads(kwargs["s_aux"], sp)
     # The local position ids are not the gathered row's: the inner function takes the
     # boundaries from cu_seq_lens (the whole row's), never from position ids.
     out, _ = AttentionInterface()[sp.inner](module, query, key, value, attention_mask, **kwargs)

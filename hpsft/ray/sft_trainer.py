@@ -36,7 +36,12 @@ class RaySFTTrainer(SFTTrainer):
         """The driver: rank 0 outside torch.distributed, loading whole global batches for
         world / SP data-parallel ranks."""
         workers = self.config.ray.nnodes * self.config.ray.n_workers_per_node
-        sp = self.config.engine.sequence_parallel_size
+        sp, tp = self.config.engine.sequence_parallel_size, self.config.engine.tensor_parallel_size
+        if tp > 1:
+            # The driver's split, the worker group's placement and the counted-once metrics of
+            # a TP group are not built for Ray yet (docs/tensor_parallel.md).
+            raise UserInputError(f"engine.tensor_parallel_size={tp} is not supported on Ray yet: run it under "
+                                 "torchrun, the deepspeed launcher or srun (hpsft.train)")
         if workers % sp:
             raise UserInputError(f"engine.sequence_parallel_size={sp} does not divide the {workers} Ray workers "
                                  "(ray.nnodes x ray.n_workers_per_node): the world is data-parallel size x "

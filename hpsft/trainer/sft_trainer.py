@@ -81,13 +81,11 @@ class SFTTrainer:
         self.config = config
         self.rank, self.dp_rank, self.dp_size, self.loading_ranks = self.place_process()
         if self.rank == 0:
-            sp = config.engine.sequence_parallel_size
-            layout = f"; data-parallel size {self.dp_size} x sequence-parallel size {sp}" if sp > 1 else ""
-            print(f"hpsft: {self.launch_description()}{layout}", flush=True)
+            print(f"hpsft: {self.launch_description()}{self.mesh_description()}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
         distributed.on_rank0_then_share(lambda: check_trackers_available(config))  # rank 0 logs
-        world_size = self.dp_size * config.engine.sequence_parallel_size
+        world_size = self.dp_size * config.engine.sequence_parallel_size * config.engine.tensor_parallel_size
         if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= world_size:
             raise UserInputError(f"trainer.profile_ranks={list(config.trainer.profile_ranks)} names a rank the run "
                                  f"does not have: its ranks are 0..{world_size - 1}")
@@ -116,6 +114,8 @@ class SFTTrainer:
         self.fingerprint = run_fingerprint(config, self.tokenizer) if self.rank == 0 else None
         self.checkpoints = CheckpointManager(self.run_dir)
         resume_from = self.find_checkpoint()
+        if resume_from is not None:
+            self.refuse_tensor_parallel_resume(resume_from)
 
         self.worker = self.build_worker()
         self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
@@ -144,11 +144,21 @@ class SFTTrainer:
         each global batch (every data-parallel rank here)."""
         engine = self.config.engine
         distributed.init_distributed(engine.dist_backend, engine.collective_timeout_s)
-        dp_rank, dp_size, _ = distributed.sequence_parallel_layout(engine.sequence_parallel_size)
-        return distributed.rank(), dp_rank, dp_size, dp_size
+        place = distributed.mesh(engine.tensor_parallel_size, engine.sequence_parallel_size)
+        return distributed.rank(), place.dp_rank, place.dp_size, place.dp_size
 
     def launch_description(self) -> str:
         return distributed.launch_description()
+
+    def mesh_description(self) -> str:
+        """The layout of the ranks, when there is more than data parallelism: its sizes and,
+        with tensor parallelism, every rank's coordinates (computed: the layout is fixed)."""
+        engine = self.config.engine
+        tp, sp = engine.tensor_parallel_size, engine.sequence_parallel_size
+        if tp > 1:
+            ranks = "; ".join(distributed.mesh(tp, sp, r).coordinates() for r in range(distributed.world_size()))
+            return f"; mesh DP {self.dp_size} x TP {tp} x SP {sp}; {ranks}"
+        return f"; data-parallel size {self.dp_size} x sequence-parallel size {sp}" if sp > 1 else ""
 
     def worker_args(self) -> tuple:
         """TrainingWorker's constructor arguments, alike in this process and in a Ray actor."""
@@ -264,6 +274,19 @@ class SFTTrainer:
             "continue from it anyway"
         )
 
+    def refuse_tensor_parallel_resume(self, checkpoint: Path) -> None:
+        """Before the model is built: a checkpoint resumes under tensor parallelism only with the
+        TP and DP sizes that wrote it (DeepSpeed wrote one model and optimizer file per TP rank,
+        which each rank loads back as they are; resharding them is not built,
+        docs/tensor_parallel.md)."""
+        tp = self.config.engine.tensor_parallel_size
+        state = CheckpointManager.load_trainer_state(checkpoint)
+        written_tp, written_dp = state.get("tp_size", 1), state["dp_size"]
+        if (tp > 1 or written_tp > 1) and (written_tp, written_dp) != (tp, self.dp_size):
+            raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written_tp} and "
+                                 f"{written_dp} data-parallel ranks, this run has {tp} and {self.dp_size}: a "
+                                 "checkpoint with tensor parallelism resumes with the same sizes only")
+
     def load_checkpoint(self, checkpoint: Path) -> None:
         """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)
         that wrote it: the engine reshards its state, the data position is in samples."""
@@ -295,6 +318,7 @@ class SFTTrainer:
                 "samples_in_epoch": self.samples_in_epoch,
                 "mode": self.checkpoint_mode,  # what wrote it (any kind of run may resume it)
                 "dp_size": self.dp_size,
+                "tp_size": self.config.engine.tensor_parallel_size,
                 "skipped_steps": self.skipped_steps.total,
                 "rng": rng_state(),
             })

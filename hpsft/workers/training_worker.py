@@ -6,6 +6,9 @@ micro-batches (as many as every other rank runs), and returns plain Python metri
 With sequence parallelism the SP ranks of a group get the same share, plan the same
 packed rows and each trains its own token slice of every row (data/sequence_split.py);
 every count it returns is then its slice's share, so that sums over all ranks stay right.
+With tensor parallelism the TP ranks of a group also get the same share and plan the same rows,
+each running its shards of the layers on the whole rows; the group's counts are then returned
+by its first TP rank only (the others return zeros), for the same sums.
 """
 
 import contextlib
@@ -24,6 +27,7 @@ from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verif
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
+from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.models.ulysses_attention import check_heads
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
@@ -35,7 +39,8 @@ from hpsft.workers.fault_hook import maybe_fail
 
 # How the ranks' train_batch results make the step's, on both paths: these add up over the
 # ranks (each rank counts its share of the global batch); the others (grad_norm, lr,
-# micro_batches) are the same on every rank and taken from one.
+# micro_batches) are the same on every rank and taken from one. Work counts (flops and the
+# devices' peak) are every rank's own; the others are counted once per TP group.
 SUMMED_OVER_RANKS = ("objective_sum", "nll_sum", "z_loss_sum", "router_aux_loss_sum", "correct_tokens",
                      "loss_tokens", "tokens", "computed_tokens", "flops", "peak_flops")
 # Lists with one number per training source (data.train_files entry), added up element-wise.
@@ -89,6 +94,8 @@ class TrainingWorker:
         self.profiler: StepProfiler | None = None  # while trainer.profile_steps are running on this rank
         self.sp_size = engine_config.sequence_parallel_size
         self.sp_rank = 0  # set in init_model, once the process group exists
+        self.tp_size = engine_config.tensor_parallel_size
+        self.tp_rank = 0  # set in init_model too
 
     def init_model(self) -> None:
         cfg = self.model_config
@@ -109,6 +116,7 @@ class TrainingWorker:
             # an H200, measured): packed rows change shape every step. Flash/efficient instead.
             torch.backends.cuda.enable_cudnn_sdp(False)
         check_heads(lm.config, self.sp_size)  # before DeepSpeed: a refusal costs nothing yet
+        check_tensor_parallel(lm.config, self.tp_size)
         if not verify_in_engine:
             verify_packed_training(lm)
         if cfg.lora.rank:
@@ -122,7 +130,8 @@ class TrainingWorker:
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
         packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
-        self.engine.initialize(packed)
+        self.engine.initialize(packed)  # under TP, AutoTP shards the layers here
+        self.tp_rank = distributed.mesh(self.tp_size, self.sp_size).tp_rank
         if verify_in_engine:  # in the engine's dtype, with that dtype's tolerance
             verify_packed_training(lm, gathered=self.engine.gathered)
         if cfg.tiled_mlp_tokens is not None:  # after the checks above, which compare with the untiled model
@@ -167,8 +176,9 @@ class TrainingWorker:
         maybe_fail(self.engine.engine.global_steps + 1)
         lengths = seqlens(batch).tolist()
         local_loss_tokens = loss_token_count(batch)
-        if global_loss_tokens is None:  # the SP ranks of a group hold the same share: counted once
-            global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0]) // self.sp_size
+        if global_loss_tokens is None:  # the SP/TP ranks of a group hold the same share: counted once
+            global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0]) // (self.sp_size *
+                                                                                            self.tp_size)
         rows, bins = self.micro_batches(batch)
         if self.n_sources > 1:
             rows = [{**row, "sequence_nll": True} for row in rows]
@@ -176,15 +186,16 @@ class TrainingWorker:
         with self.profiler.annotate_step() if self.profiler else contextlib.nullcontext():
             result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
         seconds = time.perf_counter() - start
-        # An SP rank does 1/SP of its group's work (attention included: its share of the heads).
+        # An SP rank does 1/SP of its group's work (attention included: its share of the heads),
+        # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out).
         flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
-                            local_loss_tokens) / self.sp_size
+                            local_loss_tokens) / (self.sp_size * self.tp_size)
         outputs = result["outputs"]
         nll_sum = sum(float(o["nll"]) for o in outputs)
         loss_tokens = sum(int(o["n_tokens"]) for o in outputs)  # this rank's (with SP: its slices')
         source_nll_sums, source_loss_tokens = (self.source_sums(batch, bins, outputs) if self.n_sources > 1
                                                else ([nll_sum], [loss_tokens]))
-        return {
+        return self.counted_once_per_tp_group({
             "objective_sum": sum(float(o["loss"]) for o in outputs),
             "nll_sum": nll_sum,
             "source_nll_sums": source_nll_sums,
@@ -204,7 +215,15 @@ class TrainingWorker:
             "grad_norm": result["grad_norm"],
             "lr": result["lr"],
             "rss_anon_bytes": rss_anon_bytes(),
-        }
+        })
+
+    def counted_once_per_tp_group(self, out: dict) -> dict:
+        """The counts and sums of `out` on the group's first TP rank, zeros on the others: every
+        TP rank of a group trained the same rows (the work counts stay each rank's own)."""
+        if self.tp_rank == 0:
+            return out
+        counts = [key for key in SUMMED_OVER_RANKS if key not in ("flops", "peak_flops")]
+        return {**out, **{key: 0 for key in counts}, **{key: [0.0] * len(out[key]) for key in SUMMED_PER_SOURCE}}
 
     def source_sums(self, batch, bins: list[list[int]], outputs: list[dict]) -> tuple[list[float], list[float]]:
         """NLL sums and loss-token counts per training source of this rank's share."""
@@ -241,6 +260,8 @@ class TrainingWorker:
             if positions:  # an empty bin ran a placeholder row only to keep step with other ranks
                 nll_sums[positions] = out["nll"].cpu().double()
                 loss_tokens[positions] = out["n_tokens"].cpu()
+        if self.tp_rank:  # the group's first TP rank reports the group's sequences
+            nll_sums.zero_(), loss_tokens.zero_()
         return {"nll_sum": nll_sums, "loss_tokens": loss_tokens}
 
     def save_checkpoint(self, root: str, tag: str) -> None:

@@ -1,0 +1,64 @@
+"""Optimizer steps through hpsft's DeepSpeedEngine under tensor parallelism (DeepSpeed's
+AutoTP), for each of several runs (a model and a ZeRO stage), on given packed rows; rank 0 saves each run's
+per-step losses and unclipped gradient norms and its final weights, gathered whole.
+
+    torchrun --nproc_per_node N tests/dist_scripts/tensor_parallel_steps.py SPEC_PT OUT_PT
+
+SPEC_PT holds {"tp": TP, "lr": float, "sequences": [{input_ids, loss_mask}], "steps": [[row, ...],
+...] (a row: the sequence indices packed into it), "runs": [{"name", "model": path, "zero_stage"}]}.
+With TP ranks per group there are N/TP data-parallel ranks: dp rank d trains rows d, d+N/TP,
+... of a step, the same on every TP rank of its group (what TrainingWorker does after planning
+the rows). OUT_PT gets {name: {"losses": [...], "grad_norms": [...], "weights": {name: tensor}}}.
+DeepSpeed builds its TP groups once per process: every run here has the same TP size.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hpsft import distributed
+from hpsft.config import load_config
+from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
+from hpsft.engine import DeepSpeedEngine
+from hpsft.models import PackedCausalLM, load_causal_lm, weight_names
+from hpsft.models.tensor_parallel import check_tensor_parallel
+from hpsft.workers.training_worker import token_mean_loss
+
+
+def run(spec: dict, model: str, zero_stage: int, samples: list[dict]) -> dict:
+    tp = spec["tp"]
+    config = load_config(None, [f"model.path={model}", f"engine.zero_stage={zero_stage}",
+                                f"engine.tensor_parallel_size={tp}", f"optim.lr={spec['lr']}",
+                                "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]))
+    lm = load_causal_lm(config.model.path)
+    check_tensor_parallel(lm.config, tp)
+    engine.initialize(PackedCausalLM(lm))
+    place = distributed.mesh(tp_size=tp)
+    losses, grad_norms = [], []
+    for rows in spec["steps"]:
+        total = loss_token_count(collate_jagged([samples[i] for row in rows for i in row]))
+        mine = [packed_row(collate_jagged([samples[i] for i in row])) for row in rows[place.dp_rank::place.dp_size]]
+        result = engine.train_batch(mine, lambda out: token_mean_loss(out, total))
+        nll = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]) if place.tp_rank == 0 else 0.0,
+                           dtype=torch.float64)
+        dist.all_reduce(nll)  # each data-parallel rank's rows, counted once per TP group
+        losses.append(float(nll) / total)
+        grad_norms.append(result["grad_norm"])
+    weights = dict(engine.gathered_tensors(weight_names(lm)))
+    return {"losses": losses, "grad_norms": grad_norms, "weights": weights}
+
+
+def main() -> None:
+    spec_pt, out_pt = sys.argv[1:3]
+    distributed.init_distributed("gloo")
+    spec = torch.load(spec_pt)
+    samples = [{**s, "index": i} for i, s in enumerate(spec["sequences"])]
+    results = {r["name"]: run(spec, r["model"], r["zero_stage"], samples) for r in spec["runs"]}
+    if dist.get_rank() == 0:
+        torch.save(results, out_pt)
+
+
+if __name__ == "__main__":
+    main()
