@@ -10,7 +10,12 @@ from tests.conftest import (REPO, assert_ok, assert_same_steps, base_overrides, 
 
 STEPS = 4  # the straight run saves at step 2 (the first resume's start), the resumed ones every step
 STEP_RTOL = 2e-6  # fp32, the dp sizes sum gradients in other orders: measured up to 4.3e-8 (loss), 5.2e-7 (grad norm)
-RESHARD_RTOL = 1e-6  # measured: at most 8.7e-8 (fp32), 0 (bf16: its per-row gradients add up exactly in fp32)
+RESHARD_RTOL = 1e-6  # measured: at most 8.7e-8 (fp32), 0 (bf16 ZeRO-1: its per-row gradients add up exactly in fp32)
+# bf16 ZeRO-2 reduces each rank's bf16 gradient: since the fused loss folds its gradient scale in
+# at forward (issue 24), 1 and 2 ranks round some elements differently: measured 1.5e-7 at step 3,
+# 1.2e-6 at step 4, growing through Adam to 4.2e-4 at step 6 (weights 1.8e-4). Zeroed moments
+# give 2e-2 at step 4: still 10x over this.
+RESHARD_RTOL_BF16_ZERO2 = 2e-3
 
 
 def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
@@ -182,4 +187,5 @@ def test_zero_optimizer_state_resharded_1_to_2_to_1_ranks_continues_the_straight
         figures[f"{name} fp32 weights after step 6"] = weights_error(narrowed[name]["fp32"], straight[name]["fp32"])
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)
-    assert all(value <= RESHARD_RTOL for value in figures.values()), shown
+    assert all(value <= (RESHARD_RTOL_BF16_ZERO2 if name.startswith("zero2 bf16") else RESHARD_RTOL)
+               for name, value in figures.items()), shown
