@@ -139,9 +139,7 @@ def prepare_shard(job: ShardJob) -> dict:
                     continue
                 raise DataError(f"{job.shard.path} row {row_no}: {result} (set data.bad_rows=skip to skip such "
                                 "rows)")
-            tally["counts"].update(result.counts)
-            if result.dropped is not None:
-                tally["counts"][f"dropped: {result.dropped}"] += 1
+            tally["counts"].update(result.counts)  # a dropped row included (dropped_over_max_length)
             for ids, mask in result.sequences:
                 writer.add(ids, mask, row_no)
 
@@ -387,6 +385,15 @@ def checked_manifest(store_dir: Path, tokenizer, opts: TokenizeOptions) -> dict:
     return manifest
 
 
+def make_cache_folder(folder: Path, cache_dir: str | Path) -> None:
+    """Create `folder` (data.cache_dir or a store in it), or fail naming data.cache_dir."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"data.cache_dir={cache_dir}: cannot write the tokenized data there ({err.strerror}); "
+                        "choose another data.cache_dir") from None
+
+
 def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner, shard_mb: float,
             name: str, report: bool, bar: bool, check_shards: bool = False,
             store_dir: Path | None = None) -> tuple[Path, dict]:
@@ -407,11 +414,7 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
     plan = [Shard(**shard) for shard in manifest["shards"]] if manifest else plan_shards(files, shard_bytes)
     if not plan:
         raise DataError(f"no usable rows in {entry}: its files are empty")
-    try:  # before tokenizing, which can take long
-        store_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(f"data.cache_dir={cache_dir}: cannot write the tokenized data there ({err.strerror}); "
-                        "choose another data.cache_dir") from None
+    make_cache_folder(store_dir, cache_dir)  # before tokenizing, which can take long
     jobs = [ShardJob(i, shard, str(store_dir)) for i, shard in enumerate(plan)]
     done = {job.index: completed_sidecar(job) for job in jobs}
     missing = [job for job in jobs if done[job.index] is None]

@@ -18,8 +18,9 @@ from hpsft import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.custom_dataset import load_custom_class
-from hpsft.data.preparation import LocalRunner, Team, TeamRunner, default_num_proc, prepared_store
-from hpsft.data.rows import DataError, TokenizeOptions, chat_template_text
+from hpsft.data.preparation import (LocalRunner, Team, TeamRunner, default_num_proc, make_cache_folder,
+                                    prepared_store)
+from hpsft.data.rows import TokenizeOptions, chat_template_text
 from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sources import SourcedDataset
 from hpsft.errors import Preempted, UserInputError
@@ -179,11 +180,7 @@ class SFTTrainer:
         if distributed.world_size() == 1:
             return LocalRunner(num_proc)
         cache = Path(data.cache_dir)
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DataError(f"data.cache_dir={cache}: cannot write the tokenized data there ({err.strerror}); "
-                            "choose another data.cache_dir") from None
+        make_cache_folder(cache, cache)
         team, attempt = distributed.ranks_sharing(cache)
         if self.rank == 0 and len(team) < distributed.world_size():
             print(f"hpsft: data.cache_dir {cache} is not shared by all {distributed.world_size()} ranks (rank 0 "
