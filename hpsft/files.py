@@ -9,6 +9,7 @@
 import os
 import pickle
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -46,6 +47,16 @@ def umask_mode(mode: int = 0o666) -> int:
     """`mode` as open()/mkdir() would create it under the user's umask: for files made by
     mkstemp/mkdtemp, which use 0600/0700 whatever the umask."""
     return mode & ~umask()
+
+
+def file_beside(path: Path, prefix: str | None = None) -> Path:
+    """A new empty file in `path`'s folder (named `prefix` + random; default `.<name>.`), in the
+    user's umask mode (mkstemp's 0600 would ignore it): written, then os.replace'd into `path`,
+    so a crash never leaves a partial file under `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}." if prefix is None else prefix, dir=path.parent)
+    os.fchmod(fd, umask_mode())
+    os.close(fd)
+    return Path(tmp)
 
 
 def load_plain_data(path: Path):

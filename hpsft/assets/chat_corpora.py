@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import random
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +22,7 @@ import yaml
 
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.sharegpt import sharegpt_messages
-from hpsft.files import umask_mode
+from hpsft.files import file_beside
 
 
 def package_dir(name: str, pip_name: str) -> Path:
@@ -96,9 +95,7 @@ def write_parquet(records: list[dict], path: Path) -> None:
     of any record is a column (pa.Table.from_pylist would keep only the first record's)."""
     keys = dict.fromkeys(key for record in records for key in record)
     table = pa.table({key: [record.get(key) for record in records] for key in keys})
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
-    os.close(fd)
+    tmp = file_beside(path, prefix=path.name + ".")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
 

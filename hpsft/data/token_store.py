@@ -15,7 +15,6 @@ list offsets, without touching the tokens. Why Arrow IPC: docs/data.md ("The tok
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import pyarrow as pa
 import torch
 
 from hpsft.data.rows import DataError
-from hpsft.files import umask_mode
+from hpsft.files import file_beside
 
 SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())), ("row", pa.int64())])
 FLUSH_TOKENS = 1 << 22  # tokens buffered before a record batch is written
@@ -31,14 +30,12 @@ FLUSH_TOKENS = 1 << 22  # tokens buffered before a record batch is written
 
 def write_atomically(path: Path, write) -> None:
     """`write(tmp_path)` then rename into `path`: a crash leaves no partial file under `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
-    os.close(fd)
+    tmp = file_beside(path)
     try:
-        write(Path(tmp))
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -51,10 +48,7 @@ class ShardWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.fchmod(fd, umask_mode())
-        os.close(fd)
-        self.tmp = Path(tmp)
+        self.tmp = file_beside(path)
         self.writer = pa.ipc.new_file(str(self.tmp), SCHEMA)
         self.ids: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []

@@ -24,13 +24,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from hpsft.errors import UserInputError
-from hpsft.files import load_plain_data, path_inside, umask_mode
+from hpsft.files import file_beside, load_plain_data, path_inside
 
 STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"
@@ -54,9 +53,8 @@ def fsync_path(path: Path) -> None:
 
 def write_durably(path: Path, text: str) -> None:
     """Replace `path` atomically with `text`, on disk before this returns."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    os.fchmod(fd, umask_mode())  # mkstemp's 0600 would ignore the user's umask
-    with os.fdopen(fd, "w") as f:
+    tmp = file_beside(path, prefix=path.name + ".")
+    with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
