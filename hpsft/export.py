@@ -72,7 +72,7 @@ def checkpoint_tensors(checkpoint: Path, expected: set[str]) -> dict:
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from hpsft.engine.deepspeed_engine import MODEL_STATES
+    from hpsft.engine.universal import MODEL_STATES
 
     if list(checkpoint.glob("*mp_rank_01_*")):
         # zero_to_fp32 would read the first TP rank's shards as if they were the whole weights.

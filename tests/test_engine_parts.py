@@ -5,7 +5,7 @@ import math
 import torch
 
 from hpsft.data.batch import collate_jagged, packed_row
-from hpsft.engine.deepspeed_engine import lr_lambda, param_groups
+from hpsft.engine.optimizer import lr_lambda, param_groups
 from hpsft.models import PackedCausalLM, load_causal_lm
 
 

@@ -230,6 +230,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    name: str = "deepspeed"  # the engine (hpsft/engine/factory.py): deepspeed, DeepSpeed ZeRO 0-3
     zero_stage: int = 2  # fp32 ZeRO-1/2 in one process runs without ZeRO (DeepSpeedEngine.zero_stage_to_run)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states and step on the CPU
     offload_params: bool = False  # ZeRO-3 only: parameters live on the CPU

@@ -1,7 +1,9 @@
 """The engine contract the worker programs against (as in verl): it knows modules,
-tensors and process groups; nothing of datasets, YAML or Ray."""
+tensors and process groups; nothing of datasets, YAML or Ray. The worker uses an engine
+through these members only; an engine is built by hpsft.engine.factory.build_engine."""
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from typing import Callable, Iterator
 
 import torch
@@ -11,8 +13,33 @@ from torch import nn
 
 class TrainEngine(ABC):
     @abstractmethod
+    def __init__(self, engine_config, optim_config, total_steps: int):
+        """The config sections `engine` and `optim`, and the run's optimizer steps (the LR schedule's length)."""
+
+    @abstractmethod
+    def partitioned_init_config(self) -> dict | None:
+        """The config to build the model with when the engine runs it partitioned from the start
+        (hpsft.models.load_causal_lm's zero3_config: no rank ever holds all of it); None when
+        the model is built whole and initialize() takes it as it is."""
+
+    @abstractmethod
     def initialize(self, module: nn.Module) -> None:
         """Wrap the built model: sharding, optimizer, LR schedule."""
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The model initialize() wrapped (as the engine holds it: moved, cast, sharded)."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device the module runs on (micro-batches are moved there)."""
+
+    @property
+    @abstractmethod
+    def steps(self) -> int:
+        """Optimizer steps taken, a resumed checkpoint's included."""
 
     @abstractmethod
     def train_batch(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
@@ -28,24 +55,19 @@ class TrainEngine(ABC):
         """Forward only, no gradients; the module outputs of each micro-batch."""
 
     @abstractmethod
-    def save_checkpoint(self, root: str, tag: str) -> None: ...
+    def save_checkpoint(self, root: str, tag: str) -> None:
+        """The engine's state (module, optimizer, LR schedule, step count) under root/tag; a collective."""
 
     @abstractmethod
-    def load_checkpoint(self, root: str, tag: str) -> None: ...
+    def load_checkpoint(self, root: str, tag: str) -> None:
+        """The state save_checkpoint wrote under root/tag, whatever the number of ranks that wrote it."""
+
+    @abstractmethod
+    def gathered(self, params: list[nn.Parameter]) -> AbstractContextManager:
+        """A context in which these parameters of the module are whole on every rank (a
+        collective where the engine shards them)."""
 
     @abstractmethod
     def gathered_tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The module's parameters and buffers of these names, whole, one at a time: (name,
         tensor) on rank 0, (name, None) elsewhere. A collective: every rank iterates to the end."""
-
-    @property
-    @abstractmethod
-    def dp_rank(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def dp_size(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def dp_group(self): ...

@@ -18,100 +18,22 @@ world / TP (the ranks holding the same shard), over which it averages gradients:
 """
 
 import contextlib
-import io
+import functools
 import math
-import shutil
-import time
 from pathlib import Path
 from typing import Iterator
 
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint.constants import CLIP_GRAD, DS_VERSION, PARAM, PARAM_GROUPS, UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from torch import nn
 
 from hpsft.engine.base import TrainEngine
-
-UNIVERSAL_SUFFIX = ".universal"
-MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module file below ZeRO-3 (ZeRO-3 has one per rank)
-
-
-def to_universal(checkpoint: Path, out: Path) -> None:
-    """DeepSpeed's ds_to_universal, in this process (one worker: no process pool), quiet,
-    without the `latest_universal` marker it also writes beside `out` (nothing reads it here)."""
-    from argparse import Namespace
-
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    args = Namespace(input_folder=str(checkpoint), output_folder=str(out), num_extract_workers=1,
-                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        ds_to_universal(args)
-    (out.parent / "latest_universal").unlink()
-
-
-def unsharded_to_universal(checkpoint: Path, out: Path, names: list[str], clip_grad: float) -> None:
-    """A checkpoint written without ZeRO (its one model file holds the module and the whole
-    torch AdamW state) in the layout ds_to_universal writes from ZeRO shards: per parameter
-    zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt, the optimizer's hyperparameters in
-    zero/optimizer_state.pt, and the model file (LR scheduler, step counters) beside them.
-    `names`: the trainable parameters in the optimizer's order (param_groups). `clip_grad` is
-    the ZeRO run's: DeepSpeed's ZeRO optimizer takes its clipping from the checkpoint."""
-    model_file = checkpoint / MODEL_STATES
-    saved = torch.load(model_file, map_location="cpu", weights_only=False)
-    optimizer = saved["optimizer"]
-    indices = [index for group in optimizer["param_groups"] for index in group["params"]]
-    if len(indices) != len(names):
-        raise RuntimeError(f"{checkpoint}: its optimizer holds {len(indices)} parameters, this model trains "
-                           f"{len(names)}: not a checkpoint of this model")
-    # A parameter that never had a gradient has no AdamW state: zero moments, the common step.
-    steps = [state["step"] for state in optimizer["state"].values() if "step" in state]
-    for index, name in zip(indices, names):
-        weight = saved["module"][name].float()
-        state = optimizer["state"].get(index, {})
-        folder = out / "zero" / name
-        folder.mkdir(parents=True)
-        torch.save({PARAM: weight}, folder / "fp32.pt")
-        for key in ("exp_avg", "exp_avg_sq"):
-            moment = state.get(key, torch.zeros_like(weight))
-            if moment.shape != weight.shape:
-                raise RuntimeError(f"{checkpoint}: {name} has {key} of shape {tuple(moment.shape)}, the weight "
-                                   f"{tuple(weight.shape)}: not a checkpoint of this model")
-            torch.save({PARAM: moment.float()}, folder / f"{key}.pt")
-        if steps:
-            torch.save(state.get("step", steps[0]), folder / "step.pt")
-    torch.save({CLIP_GRAD: clip_grad, DS_VERSION: deepspeed.__version__, PARAM_GROUPS: optimizer["param_groups"]},
-               out / "zero" / "optimizer_state.pt")
-    shutil.copy2(model_file, out / MODEL_STATES)
-
-
-def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float):
-    """Linear warmup to the peak, then constant or cosine down to `min_lr_ratio`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and norm weights (1-D parameters)."""
-    decay, no_decay = [], []
-    for param in module.parameters():
-        if param.requires_grad:
-            ndim = len(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 partitioned parameter is 1-D
-            (decay if ndim >= 2 else no_decay).append(param)
-    # An empty group is left out: DeepSpeed's ZeRO optimizer drops it, and the LR scheduler,
-    # built on the torch optimizer's groups, would then count one group too many (LoRA adapters
-    # are all 2-D: no group without decay).
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+from hpsft.engine.grad_norm import global_grad_norm
+from hpsft.engine.optimizer import adamw, lr_scheduler, param_groups
+from hpsft.engine.universal import (MODEL_STATES, load_through_universal, load_universal_into_zero,
+                                    load_universal_without_zero, to_universal, unsharded_to_universal)
 
 
 def frozen_names(module: nn.Module) -> set[str]:
@@ -146,28 +68,6 @@ def load_trained_state(src: dict, dst: nn.Module) -> None:
     if missing or result.unexpected_keys:
         raise RuntimeError(f"checkpoint does not hold this model's trained state: missing {sorted(missing)[:5]}, "
                            f"unexpected {sorted(result.unexpected_keys)[:5]}")
-
-
-NORM_BLOCK = 4096
-
-
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients together, to fp64 accuracy at the cost of one fp32 pass.
-    torch's fp32 norm of one large CPU tensor is a long running sum: off by 1.6e-3 relative on
-    a 28M-element embedding gradient (SmolLM2's); DeepSpeed's ZeRO norm casts to fp64, which
-    costs ~25x more here. Norms of 4096-element blocks are exact to fp32 rounding (2e-9
-    relative on that tensor, same time) and are summed in fp64. The result is fp32, as the
-    clip factor and the metric are."""
-    squares = []
-    for grad in grads:
-        flat = grad.detach().reshape(-1)
-        whole = flat.numel() // NORM_BLOCK * NORM_BLOCK
-        if whole:
-            blocks = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_BLOCK), dim=1)
-            squares.append(blocks.double().square().sum())
-        if whole < flat.numel():
-            squares.append(torch.linalg.vector_norm(flat[whole:]).double().square())
-    return torch.stack(squares).sum().sqrt().float() if squares else torch.zeros(())
 
 
 def detached(outputs: dict) -> dict:
@@ -245,25 +145,13 @@ class DeepSpeedEngine(TrainEngine):
             "wall_clock_breakdown": False,
         }
 
-    def build_optimizer(self, module: nn.Module):
-        groups = param_groups(module, self.optim.weight_decay)
-        kwargs = {"lr": self.optim.lr, "betas": tuple(self.optim.betas), "eps": self.optim.eps}
-        if self.config.offload_optimizer and self.on_cuda:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        # torch's fused AdamW, the same update on both devices: on CUDA one kernel launch per
-        # group of tensors (torch's default there, foreach, is a chain of launches per step);
-        # on CPU one vectorised pass per tensor, 5-14x faster than the default single-tensor
-        # chain of passes on SmolLM2-135M (docs/packing.md).
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    def build_optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
+        # ZeRO-Offload on a GPU machine steps on the host: DeepSpeed's CPU Adam there.
+        return adamw(module, self.optim, cpu_adam=self.config.offload_optimizer and self.on_cuda)
 
     def initialize(self, module: nn.Module) -> None:
         optimizer = self.build_optimizer(module)
-        warmup = int(self.optim.warmup_ratio * self.total_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(self.total_steps, warmup, self.optim.lr_scheduler, self.optim.min_lr_ratio)
-        )
+        scheduler = lr_scheduler(optimizer, self.optim, self.total_steps)
         config = self.deepspeed_config()
         if self.stage == 0 and self.config.zero_stage > 0:
             print(f"hpsft: engine.zero_stage={self.config.zero_stage} in one process runs without ZeRO: nothing to "
@@ -351,86 +239,28 @@ class DeepSpeedEngine(TrainEngine):
             raise ValueError(f"{folder} was written {'with ZeRO-3' if written_with_zero3 else 'without ZeRO'} and "
                              f"this run has {'no ZeRO' if self.stage == 0 else 'ZeRO-3'}: resume it with the "
                              "engine.zero_stage it was written with")
+        into_zero = functools.partial(load_universal_into_zero, self.engine, self.load_native_checkpoint)
         if self.stage == 0 and saved_dp_size:
-            self.load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards and this run none",
-                                        lambda out: to_universal(folder, out), self.load_universal_without_zero)
+            load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards and this run none",
+                                   lambda out: to_universal(folder, out),
+                                   functools.partial(load_universal_without_zero, self.engine, self.load_native_checkpoint))
         elif self.stage > 0 and not saved_dp_size:
             names = {param: name for name, param in self.engine.module.named_parameters()}
             trained = [names[param] for group in param_groups(self.engine.module, 0.0) for param in group["params"]]
-            self.load_through_universal(root, tag, f"was written without ZeRO and this run has ZeRO-{self.stage}",
-                                        lambda out: unsharded_to_universal(folder, out, trained, self.optim.grad_clip),
-                                        self.load_universal_into_zero)
+            load_through_universal(root, tag, f"was written without ZeRO and this run has ZeRO-{self.stage}",
+                                   lambda out: unsharded_to_universal(folder, out, trained, self.optim.grad_clip),
+                                   into_zero)
         elif saved_dp_size in (0, self.dp_size):
             self.load_native_checkpoint(root, tag)
         else:
-            self.load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks",
-                                        lambda out: to_universal(folder, out), self.load_universal_into_zero)
+            load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks",
+                                   lambda out: to_universal(folder, out), into_zero)
 
     def load_native_checkpoint(self, root: str, tag: str, load_optimizer_states: bool = True) -> None:
         path, _ = self.engine.load_checkpoint(root, tag=tag, custom_load_fn=load_trained_state,
                                               load_optimizer_states=load_optimizer_states)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
-
-    def load_through_universal(self, root: str, tag: str, why: str, convert, load) -> None:
-        # Rank 0 converts into a sibling folder (its name is no global_step_<N>: never resumed
-        # from, nor rotated); every rank then loads from it; it goes at the end.
-        universal = Path(root) / f"{tag}{UNIVERSAL_SUFFIX}"
-        if dist.get_rank() == 0:
-            shutil.rmtree(universal, ignore_errors=True)  # left by a crash during an earlier resume
-            start = time.perf_counter()
-            convert(universal)
-            print(f"hpsft: {tag} {why}: converted to DeepSpeed's universal checkpoint in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
-        dist.barrier()
-        load(root, universal.name)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(universal)
-
-    def load_universal_into_zero(self, root: str, tag: str) -> None:
-        torch_optimizer = self.engine.optimizer.optimizer
-        weight_decays = [group["weight_decay"] for group in torch_optimizer.param_groups]
-        # DeepSpeed reads this flag of its config at load time only; it has no per-call argument.
-        self.engine._config.load_universal_checkpoint = True
-        try:
-            self.load_native_checkpoint(root, tag)
-        finally:
-            self.engine._config.load_universal_checkpoint = False
-        # Two slips of DeepSpeed 0.19.8's ZeRO-3 universal load, undone: every param group gets
-        # the first group's hyperparameters (ours differ in weight decay only, see param_groups),
-        # and every sub-group's state gets the same `step` tensor object, which torch's AdamW
-        # then advances once per sub-group and step (wrong bias correction from the next step on).
-        for group, weight_decay in zip(torch_optimizer.param_groups, weight_decays):
-            group["weight_decay"] = weight_decay
-        for state in torch_optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-    def load_universal_without_zero(self, root: str, tag: str) -> None:
-        """DeepSpeed loads universal checkpoints into ZeRO optimizers only: here its load gives
-        the module, LR scheduler and step counters, and the fp32 weights, AdamW moments, step
-        and hyperparameters come from the per-parameter files into torch's AdamW."""
-        self.load_native_checkpoint(root, tag, load_optimizer_states=False)
-        zero = Path(root) / tag / "zero"
-        saved_groups = torch.load(zero / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
-        names = {param: name for name, param in self.engine.module.named_parameters()}
-        optimizer = self.engine.optimizer
-        state, groups = {}, []
-        for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
-            indices = []
-            for param in group["params"]:
-                files = zero / names[param]
-                with torch.no_grad():
-                    param.copy_(torch.load(files / "fp32.pt", weights_only=True)[PARAM].view_as(param))
-                indices.append(len(state))
-                state[len(state)] = {"step": torch.load(files / "step.pt", weights_only=True)} | {
-                    key: torch.load(files / f"{key}.pt", weights_only=True)[PARAM].view_as(param)
-                    for key in ("exp_avg", "exp_avg_sq")}
-            # The saved hyperparameters (lr, betas, eps, weight decay), this machine's implementation.
-            implementation = {key: group[key] for key in ("foreach", "fused", "capturable") if key in group}
-            groups.append(saved_group | implementation | {"params": indices})
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def gathered(self, params: list[nn.Parameter]):
         """A context in which these parameters are whole on every rank (a collective under
@@ -455,17 +285,18 @@ class DeepSpeedEngine(TrainEngine):
             with self.gathered([tensor]):
                 yield name, tensor.detach().cpu().clone() if dist.get_rank() == 0 else None
 
+    @property
+    def steps(self) -> int:
+        return self.engine.global_steps
+
+    def partitioned_init_config(self) -> dict | None:
+        """Under ZeRO-3 the config deepspeed.zero.Init builds the model with (the one the engine
+        then runs): no rank ever holds the whole model."""
+        return self.deepspeed_config() if self.stage == 3 else None
+
     # DeepSpeed's data-parallel group: the whole world (SP included, see above), or under
     # tensor parallelism the ranks of the same TP coordinate (its mesh: TP groups are runs of
-    # consecutive ranks).
-    @property
-    def dp_rank(self) -> int:
-        return dist.get_rank() // self.tp_size
-
+    # consecutive ranks); its gradient average is undone by this factor in train_batch.
     @property
     def dp_size(self) -> int:
         return dist.get_world_size() // self.tp_size
-
-    @property
-    def dp_group(self):
-        return self.engine.data_parallel_group if self.tp_size > 1 else dist.group.WORLD

@@ -23,6 +23,7 @@ from hpsft.data.preparation import (LocalRunner, Team, TeamRunner, default_num_p
 from hpsft.data.rows import TokenizeOptions, chat_template_text
 from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sources import SourcedDataset
+from hpsft.engine import engine_class
 from hpsft.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.progress import progress_bar, step_postfix
@@ -90,6 +91,7 @@ class SFTTrainer:
         if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= world_size:
             raise UserInputError(f"trainer.profile_ranks={list(config.trainer.profile_ranks)} names a rank the run "
                                  f"does not have: its ranks are 0..{world_size - 1}")
+        engine_class(config.engine.name)  # an unknown engine stops the run before the data is prepared
         seed_everything(config.trainer.seed)
         data = config.data
         if data.train_batch_size % self.dp_size:

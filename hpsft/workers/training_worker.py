@@ -22,7 +22,7 @@ from hpsft import distributed
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.data.sequence_split import real_tokens, split_row
-from hpsft.engine import DeepSpeedEngine
+from hpsft.engine import TrainEngine, build_engine
 from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
@@ -88,7 +88,7 @@ class TrainingWorker:
         self.engine_config = engine_config
         self.data_config = data_config
         self.peak_flops_per_device = peak_flops  # measured in init_model when None
-        self.engine = DeepSpeedEngine(engine_config, optim_config, total_steps)
+        self.engine: TrainEngine = build_engine(engine_config, optim_config, total_steps)
         self.n_sources = len(data_config.train_files)  # per-source losses are summed when more than one
         self.loss_fn: Callable = token_mean_loss
         self.profiler: StepProfiler | None = None  # while trainer.profile_steps are running on this rank
@@ -99,17 +99,17 @@ class TrainingWorker:
 
     def init_model(self) -> None:
         cfg = self.model_config
-        # Under ZeRO-3 the model is built partitioned: no rank ever holds all of it.
-        zero3 = self.engine_config.zero_stage == 3
+        # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of it.
+        partitioned_config = self.engine.partitioned_init_config()
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
-                            zero3_config=self.engine.deepspeed_config() if zero3 else None)
+                            zero3_config=partitioned_config)
         check_supported(lm, lm.config._attn_implementation)
         # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
         # those are checked once the engine has moved (and cast) the weights; every other model
         # here, in fp32 before DeepSpeed casts the weights for bf16 (a tighter tolerance).
         # hpsft_varlen on a GPU runs torch's varlen flash kernel only in 16-bit: checked in the engine too.
         attention = lm.config._attn_implementation
-        verify_in_engine = zero3 or attention == "flash_attention_2" or (
+        verify_in_engine = partitioned_config is not None or attention == "flash_attention_2" or (
             attention == ATTN_IMPLEMENTATION and torch.cuda.is_available())
         if torch.cuda.is_available():
             # cuDNN's SDPA builds a graph for every new shape (1.4-1.9 ms of host time a call on
@@ -173,7 +173,7 @@ class TrainingWorker:
         `global_loss_tokens` (the loss-token count of the whole global batch) is all-reduced
         here when not given; the Ray driver, which sees the whole batch, passes it in.
         """
-        maybe_fail(self.engine.engine.global_steps + 1)
+        maybe_fail(self.engine.steps + 1)
         lengths = seqlens(batch).tolist()
         local_loss_tokens = loss_token_count(batch)
         if global_loss_tokens is None:  # the SP/TP ranks of a group hold the same share: counted once
