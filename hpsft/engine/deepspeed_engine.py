@@ -239,11 +239,12 @@ class DeepSpeedEngine(TrainEngine):
             raise ValueError(f"{folder} was written {'with ZeRO-3' if written_with_zero3 else 'without ZeRO'} and "
                              f"this run has {'no ZeRO' if self.stage == 0 else 'ZeRO-3'}: resume it with the "
                              "engine.zero_stage it was written with")
+        # The loads from a universal folder (engine/universal.py), through this engine's native load.
         into_zero = functools.partial(load_universal_into_zero, self.engine, self.load_native_checkpoint)
+        without_zero = functools.partial(load_universal_without_zero, self.engine, self.load_native_checkpoint)
         if self.stage == 0 and saved_dp_size:
             load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards and this run none",
-                                   lambda out: to_universal(folder, out),
-                                   functools.partial(load_universal_without_zero, self.engine, self.load_native_checkpoint))
+                                   lambda out: to_universal(folder, out), without_zero)
         elif self.stage > 0 and not saved_dp_size:
             names = {param: name for name, param in self.engine.module.named_parameters()}
             trained = [names[param] for group in param_groups(self.engine.module, 0.0) for param in group["params"]]

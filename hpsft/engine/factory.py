@@ -10,7 +10,8 @@ ENGINES: dict[str, type[TrainEngine]] = {"deepspeed": DeepSpeedEngine}
 
 def engine_class(name: str) -> type[TrainEngine]:
     if name not in ENGINES:
-        raise UserInputError(f"engine.name={name!r} is not an engine hpsft has: use one of {', '.join(sorted(ENGINES))}")
+        raise UserInputError(f"engine.name={name!r} is not an engine hpsft has: use one of "
+                             f"{', '.join(sorted(ENGINES))}")
     return ENGINES[name]
 
 
