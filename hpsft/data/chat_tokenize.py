@@ -7,8 +7,9 @@ stops generating at end-of-turn), never system, user or tool messages.
 
 Span boundaries come from rendering prefixes of the conversation: the text of
 `messages[:i]` with the generation prompt ends where assistant turn i begins, and the text
-of `messages[:i+1]` ends where it ends. This needs a template whose renderings of prefixes
-are prefixes of each other; a template that rewrites earlier turns (e.g. strips past
+of `messages[:i+1]` ends where it ends (for a template that writes each message on its own in
+one loop, these renderings are cut from one rendering of the whole: hpsft/data/sliced_prefixes.py).
+This needs a template whose renderings of prefixes are prefixes of each other; a template that rewrites earlier turns (e.g. strips past
 reasoning) raises HistoryRewritten rather than mis-masking: row_sequences then trains one
 sequence per assistant turn (data.multiturn). Only supervised turns are located: an
 assistant turn with weight 0 is context. Two cases need more:
@@ -35,6 +36,7 @@ from jinja2.sandbox import SecurityError
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
+from hpsft.data.sliced_prefixes import prefix_slicer
 from hpsft.errors import UserInputError
 
 # Content of the lone assistant message whose rendering locates where an opening assistant turn begins.
@@ -50,7 +52,7 @@ class HistoryRewritten(BadRow):
     Raised by rendering the whole conversation; row_sequences may then render each turn alone."""
 
 
-def template_renderer(tokenizer, tools, chat_template) -> Callable[[list[dict], bool], str]:
+class TemplateRenderer:
     """render(messages, add_generation_prompt) -> the template's text; a template error on the
     conversation is a BadRow, one that concerns the template itself stops the run.
 
@@ -58,13 +60,16 @@ def template_renderer(tokenizer, tools, chat_template) -> Callable[[list[dict], 
     that one calls, with the template and the special tokens looked up once: apply_chat_template
     also copies and re-normalises the messages on every call (40 % of a render), which
     normalize_messages has done once for all of a row's prefix renderings."""
-    template = tokenizer.get_chat_template(chat_template, tools)
-    special_tokens = tokenizer.special_tokens_map
 
-    def render(msgs, add_generation_prompt):
+    def __init__(self, tokenizer, tools, chat_template):
+        self.tools = tools
+        self.template = tokenizer.get_chat_template(chat_template, tools)
+        self.special_tokens = tokenizer.special_tokens_map
+
+    def __call__(self, msgs, add_generation_prompt):
         try:
-            rendered, _ = render_jinja_template(conversations=[msgs], tools=tools, chat_template=template,
-                                                add_generation_prompt=add_generation_prompt, **special_tokens)
+            rendered, _ = render_jinja_template(conversations=[msgs], tools=self.tools, chat_template=self.template,
+                                                add_generation_prompt=add_generation_prompt, **self.special_tokens)
             return rendered[0]
         except jinja2.TemplateSyntaxError as err:
             raise UserInputError(f"the chat template does not compile: {err} (line {err.lineno})") from None
@@ -79,12 +84,22 @@ def template_renderer(tokenizer, tools, chat_template) -> Callable[[list[dict], 
             # as a string: they are passed as JSON objects, as Hugging Face's templates expect.
             raise BadRow(f"the chat template failed on the conversation: {err} (tool-call arguments "
                          "reach it as JSON objects)") from None
-    return render
+
+    def prefixes(self, messages) -> Callable[[int, bool], str]:
+        """rendered(n, add_generation_prompt): the text of messages[:n]. Cut from one rendering of
+        the whole when the template's shape proves that exact (hpsft/data/sliced_prefixes.py),
+        else each rendering made once (the turn spans and the turn boundaries of row_sequences
+        share them)."""
+        exact = prefix_renderer(self, messages)
+        sliced = prefix_slicer(self.template, self.tools, self.special_tokens, messages)
+        if sliced is None:
+            return exact
+        return lambda n, add_generation_prompt: (sliced(n, add_generation_prompt) if 1 <= n <= len(messages)
+                                                 else exact(n, add_generation_prompt))
 
 
 def prefix_renderer(render, messages) -> Callable[[int, bool], str]:
-    """rendered(n, add_generation_prompt): the text of messages[:n], each rendering made once
-    (the turn spans and the turn boundaries of row_sequences share them)."""
+    """rendered(n, add_generation_prompt): the text of messages[:n], each rendering made once."""
     cache = {}
 
     def rendered(n: int, add_generation_prompt: bool) -> str:
@@ -134,7 +149,7 @@ class RenderedConversation:
 
 def render_conversation(render, messages: list[dict], eos_token: str | None, tools=None) -> RenderedConversation:
     """The rendering of normalised `messages` and the spans of their supervised assistant turns."""
-    rendered = prefix_renderer(render, messages)
+    rendered = render.prefixes(messages)
     full = rendered(len(messages), False)
     last = max(i for i, msg in enumerate(messages) if is_supervised(msg))
     closing = closing_text(rendered, last or len(messages), eos_token)
@@ -225,7 +240,7 @@ def encode_rendered(tokenizer, rendered: list[RenderedConversation]) -> list[Enc
 
 
 def encode_conversation(tokenizer, render, messages: list[dict], tools=None) -> EncodedConversation:
-    """Normalised `messages` rendered by `render` (template_renderer), tokenized and masked."""
+    """Normalised `messages` rendered by `render` (a TemplateRenderer), tokenized and masked."""
     [encoded] = encode_rendered(tokenizer, [render_conversation(render, messages, tokenizer.eos_token, tools)])
     if isinstance(encoded, BadRow):
         raise encoded
@@ -235,6 +250,6 @@ def encode_conversation(tokenizer, render, messages: list[dict], tools=None) -> 
 def tokenize_conversation(tokenizer, messages, tools=None, chat_template=None) -> tuple[list[int], list[int]]:
     """Token ids and a 0/1 loss mask (1 on supervised assistant tokens) of one conversation."""
     tools = normalize_tools(tools)
-    encoded = encode_conversation(tokenizer, template_renderer(tokenizer, tools, chat_template),
+    encoded = encode_conversation(tokenizer, TemplateRenderer(tokenizer, tools, chat_template),
                                   normalize_messages(messages), tools)
     return encoded.input_ids, encoded.loss_mask

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
 from hpsft.data.chat_tokenize import EncodedConversation, HistoryRewritten, PREFIX_MISMATCH, RenderedConversation, \
-    encode_rendered, render_conversation, template_renderer
+    TemplateRenderer, encode_rendered, render_conversation
 from hpsft.data.rows import TokenizeOptions, row_to_messages
 
 TURN_POLICIES = ("turns", "split")  # the truncation policies that cut only between turns
@@ -99,7 +99,7 @@ class Encoder:
 
     def __init__(self, tokenizer, tools, chat_template):
         self.tokenizer, self.tools = tokenizer, tools
-        self.render = template_renderer(tokenizer, tools, chat_template)
+        self.render = TemplateRenderer(tokenizer, tools, chat_template)
 
     def rendered(self, conversation: list[dict]) -> RenderedConversation:
         return render_conversation(self.render, conversation, self.tokenizer.eos_token, self.tools)
