@@ -36,6 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+# The raw tokenizer baseline runs in this process: without this, the fast tokenizer's batch call
+# spreads over every core (rayon), and "per process" would compare one process with all cores
+# (it did until 2026-12-01: 4.4 s wall for 7.7 s of CPU on 2 cores, the 0.56-0.69x of before).
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / ".cache" / "models" / "smollm2-135m-2l"
 
@@ -73,7 +78,8 @@ def prepare(path: Path, cache: Path, num_proc: int, max_length: int, shard_mb: f
 
 
 def raw_tokenizer_rate(rows: list[dict], max_rows: int) -> dict:
-    """Tokens/s of the fast tokenizer's batch call on each conversation rendered once."""
+    """Tokens/s of the fast tokenizer's batch call on each conversation rendered once, on one
+    core (TOKENIZERS_PARALLELISM=false, as hpsft's preparing processes run it)."""
     from hpsft.data.chat_messages import normalize_messages
     from hpsft.models import load_tokenizer
 
