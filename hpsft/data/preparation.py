@@ -211,7 +211,12 @@ class Progress:
 
 
 class LocalRunner:
-    """Every job in this process: one at a time in it (num_proc 1), else over a pool."""
+    """Every job on `num_proc` processes: this one and num_proc - 1 workers of a pool.
+
+    This process prepares shards too, from the start: a worker takes seconds to start (it
+    imports torch and transformers and unpickles the tokenizer: 4-6 s here), which on 2 cores
+    was most of what 2 processes gained on the packaged ShareGPT corpus. Each worker is kept
+    one shard ahead; this process takes the next shard whenever none is waiting for it."""
 
     def __init__(self, num_proc: int):
         self.num_proc = num_proc
@@ -219,19 +224,31 @@ class LocalRunner:
     def run(self, jobs: list[ShardJob], tokenizer, opts: TokenizeOptions, progress: Progress,
             between=lambda: None) -> None:
         """`between()` runs after each finished shard (a team checks the others' progress)."""
-        if self.num_proc == 1 or len(jobs) <= 1:
-            init_worker(tokenizer, opts)
+        def done(sidecar: dict) -> None:
+            progress.add(sidecar)
+            between()
+
+        init_worker(tokenizer, opts)
+        workers = min(self.num_proc, len(jobs)) - 1
+        if workers < 1:
             for job in jobs:
-                progress.add(prepare_shard(job))
-                between()
+                done(prepare_shard(job))
             return
         # forkserver: workers start from a clean process, not a fork of this one (its threads,
         # e.g. torch.distributed's, would be copied mid-state).
         context = multiprocessing.get_context("forkserver")
-        with context.Pool(min(self.num_proc, len(jobs)), init_worker, (tokenizer, opts)) as pool:
-            for sidecar in pool.imap_unordered(prepare_shard, jobs):
-                progress.add(sidecar)
-                between()
+        todo, running = list(reversed(jobs)), []
+        with context.Pool(workers, init_worker, (tokenizer, opts)) as pool:
+            while todo or running:
+                for result in [r for r in running if r.ready()]:
+                    running.remove(result)
+                    done(result.get())
+                while todo and len(running) < workers:
+                    running.append(pool.apply_async(prepare_shard, (todo.pop(),)))
+                if todo:
+                    done(prepare_shard(todo.pop()))
+                elif running:
+                    running[0].wait()
 
 
 @dataclass(frozen=True)
