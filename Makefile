@@ -57,9 +57,12 @@ demo: model data
 	$(PY) -m hpsft.samples $(RUN)
 	$(PY) -m hpsft.plot $(RUN)
 
-# The whole suite (CPU, gloo, real model and data).
+# The whole suite (CPU, gloo, real model and data), over TEST_WORKERS pytest-xdist workers: each
+# test file runs on one worker (its module fixtures made once), the files that start Ray on one
+# worker in a row, the longest files first (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: model data
-	$(PY) -m pytest tests --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
 
 # The quick loop: each subsystem's cheapest strong test (tests/conftest.py FAST_TESTS, docs/testing.md).
 test-fast: model data

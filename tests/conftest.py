@@ -47,10 +47,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session):
-    """Write the noted times, most CPU first, as a table (CPU s, wall s, test)."""
+    """Write the noted times, most CPU first, as a table (CPU s, wall s, test); under
+    pytest-xdist each worker writes its own (the path with `.gw0`, `.gw1`... appended)."""
     path = os.environ.get(CPU_TIMES_VAR)
     if not path or not cpu_times:
         return
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        path = f"{path}.{os.environ['PYTEST_XDIST_WORKER']}"
     rows = sorted(cpu_times, reverse=True)
     lines = [f"{'cpu_s':>8} {'wall_s':>8}  test"] + [f"{c:8.1f} {w:8.1f}  {t}" for c, w, t in rows]
     lines.append(f"{sum(r[0] for r in rows):8.1f} {sum(r[1] for r in rows):8.1f}  total ({len(rows)} tests)")
@@ -105,11 +108,51 @@ FAST_TESTS = (
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the quick loop (make test-fast): each subsystem's cheapest strong test")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        # Each pytest-xdist worker computes on its share of the cores: 2 workers of 2 torch
+        # threads on 2 cores would time-slice every GEMM. (The CLI's processes get one thread
+        # each from train_env.)
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+# Test files that start a Ray instance of their own: under pytest-xdist they run on one worker,
+# one after another (two private Ray instances at once on 2 cores starve each other's actors).
+RAY_FILES = ("test_ray.py", "test_trust.py", "test_sequence_parallel.py")
+# The files that take longest (make test's --durations, CPU s from HPSFT_TEST_CPU_TIMES), most
+# first: they are collected first, so that pytest-xdist starts them first and the workers'
+# last files are short ones (a long file started last would keep one worker busy alone).
+LONGEST_FILES = ("test_ray.py", "test_data_stage.py", "test_spmd_training.py", "test_export.py",
+                 "test_tensor_parallel.py", "test_elastic_resume.py", "test_fault_tolerance.py",
+                 "test_precision.py", "test_lora.py", "test_slurm.py", "test_launchers.py",
+                 "test_run_fingerprint.py", "test_checkpoint_dirs.py", "test_no_hangs.py")
+
+
+def xdist_group(item) -> str:
+    """The group of tests one pytest-xdist worker runs in a row (make test: --dist loadgroup):
+    a test file, so that its module-scoped fixtures (a reference run, a Ray instance) are made
+    once; the Ray files share one group. The session-scoped Slurm cluster is one file's."""
+    name = Path(str(item.fspath)).name
+    return "ray" if name in RAY_FILES else name
+
+
+def file_rank(item) -> int:
+    name = Path(str(item.fspath)).name
+    group_files = RAY_FILES if name in RAY_FILES else (name,)
+    ranks = [LONGEST_FILES.index(f) for f in group_files if f in LONGEST_FILES]
+    return min(ranks, default=len(LONGEST_FILES))
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark FAST_TESTS `fast`; under -m fast with the whole suite collected, a listed name that
-    matches no test is an error (a renamed test must not drop out of the loop unseen)."""
+    matches no test is an error (a renamed test must not drop out of the loop unseen). Put
+    each test in its xdist group, and the longest files first (stable: a file's tests keep
+    their order, so a module fixture is still made once)."""
+    items.sort(key=file_rank)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     matched = set()
     for item in items:
         name = item.nodeid.split("[")[0]
