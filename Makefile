@@ -57,10 +57,10 @@ demo: model data
 	$(PY) -m hpsft.samples $(RUN)
 	$(PY) -m hpsft.plot $(RUN)
 
-# The whole suite (CPU, gloo, real model and data), over TEST_WORKERS pytest-xdist workers: each
-# test file runs on one worker (its module fixtures made once), the files that start Ray on one
-# worker in a row, the longest files first (tests/conftest.py). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# The whole suite (CPU, gloo, real model and data), in one process. TEST_WORKERS=2 spreads it
+# over 2 pytest-xdist workers (tests/conftest.py groups it by file); on 2 cores it was barely
+# faster and a memory test is not reliable there (docs/testing.md, "How long it takes").
+TEST_WORKERS ?= 0
 test: model data
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
 

@@ -149,10 +149,11 @@ def pytest_collection_modifyitems(config, items):
     """Mark FAST_TESTS `fast`; under -m fast with the whole suite collected, a listed name that
     matches no test is an error (a renamed test must not drop out of the loop unseen). Put
     each test in its xdist group, and the longest files first (stable: a file's tests keep
-    their order, so a module fixture is still made once)."""
-    items.sort(key=file_rank)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+    their order, so a module fixture is still made once) when pytest-xdist runs the suite."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        items.sort(key=file_rank)
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     matched = set()
     for item in items:
         name = item.nodeid.split("[")[0]
