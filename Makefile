@@ -58,8 +58,8 @@ demo: model data
 	$(PY) -m hpsft.plot $(RUN)
 
 # The whole suite (CPU, gloo, real model and data), in one process. TEST_WORKERS=2 spreads it
-# over 2 pytest-xdist workers (tests/conftest.py groups it by file); on 2 cores it was barely
-# faster and a memory test is not reliable there (docs/testing.md, "How long it takes").
+# over 2 pytest-xdist workers (tests/conftest.py groups it by file); on 2 cores that took 48 min
+# against 55 and a memory test is not reliable there (docs/testing.md, "How long it takes").
 TEST_WORKERS ?= 0
 test: model data
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=30 $(PYTEST_ARGS)
