@@ -119,7 +119,7 @@ def pytest_configure(config):
 
 
 # Test files that start a Ray instance of their own: under pytest-xdist they run on one worker,
-# one after another (two private Ray instances at once on 2 cores starve each other's actors).
+# one after another, so that no two Ray instances share the 2 cores (not tried side by side).
 RAY_FILES = ("test_ray.py", "test_trust.py", "test_sequence_parallel.py")
 # The files that take longest (make test's --durations, CPU s from HPSFT_TEST_CPU_TIMES), most
 # first: they are collected first, so that pytest-xdist starts them first and the workers'
@@ -131,7 +131,7 @@ LONGEST_FILES = ("test_ray.py", "test_data_stage.py", "test_spmd_training.py", "
 
 
 def xdist_group(item) -> str:
-    """The group of tests one pytest-xdist worker runs in a row (make test: --dist loadgroup):
+    """The group of tests one pytest-xdist worker runs in a row (make test TEST_WORKERS=2, --dist loadgroup):
     a test file, so that its module-scoped fixtures (a reference run, a Ray instance) are made
     once; the Ray files share one group. The session-scoped Slurm cluster is one file's."""
     name = Path(str(item.fspath)).name
@@ -139,10 +139,10 @@ def xdist_group(item) -> str:
 
 
 def file_rank(item) -> int:
-    name = Path(str(item.fspath)).name
-    group_files = RAY_FILES if name in RAY_FILES else (name,)
-    ranks = [LONGEST_FILES.index(f) for f in group_files if f in LONGEST_FILES]
-    return min(ranks, default=len(LONGEST_FILES))
+    """Where the item's group comes in LONGEST_FILES (a group not listed: after them all)."""
+    group = xdist_group(item)
+    files = RAY_FILES if group == "ray" else (group,)
+    return min((LONGEST_FILES.index(f) for f in files if f in LONGEST_FILES), default=len(LONGEST_FILES))
 
 
 def pytest_collection_modifyitems(config, items):
