@@ -108,6 +108,9 @@ FAST_TESTS = (
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the quick loop (make test-fast): each subsystem's cheapest strong test")
+    config.addinivalue_line("markers", "starts_ray: starts a Ray instance of its own (one xdist group with test_ray.py)")
+    config.addinivalue_line("markers", "alone: measures a process's memory: make test runs these after the others, "
+                                       "with nothing beside them")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         # Each pytest-xdist worker computes on its share of the cores: 2 workers of 2 torch
@@ -118,9 +121,6 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
-# Test files that start a Ray instance of their own: under pytest-xdist they run on one worker,
-# one after another, so that no two Ray instances share the 2 cores (not tried side by side).
-RAY_FILES = ("test_ray.py", "test_trust.py", "test_sequence_parallel.py")
 # The files that take longest (make test's --durations, CPU s from HPSFT_TEST_CPU_TIMES), most
 # first: they are collected first, so that pytest-xdist starts them first and the workers'
 # last files are short ones (a long file started last would keep one worker busy alone).
@@ -131,18 +131,21 @@ LONGEST_FILES = ("test_ray.py", "test_data_stage.py", "test_spmd_training.py", "
 
 
 def xdist_group(item) -> str:
-    """The group of tests one pytest-xdist worker runs in a row (make test TEST_WORKERS=2, --dist loadgroup):
+    """The group of tests one pytest-xdist worker runs in a row (make test, --dist loadgroup):
     a test file, so that its module-scoped fixtures (a reference run, a Ray instance) are made
-    once; the Ray files share one group. The session-scoped Slurm cluster is one file's."""
+    once. The tests that start a Ray instance, test_ray.py's (a module instance) and those
+    marked `starts_ray` (their own), are one group, so that no two instances with Ray's default
+    ports (the dashboard agent's, the metrics exporter's) run side by side (test_slurm's
+    Ray-in-an-allocation test gives its head a free port; it ran beside them and passed). The
+    session-scoped Slurm cluster is one file's."""
     name = Path(str(item.fspath)).name
-    return "ray" if name in RAY_FILES else name
+    return "ray" if name == "test_ray.py" or item.get_closest_marker("starts_ray") else name
 
 
 def file_rank(item) -> int:
     """Where the item's group comes in LONGEST_FILES (a group not listed: after them all)."""
-    group = xdist_group(item)
-    files = RAY_FILES if group == "ray" else (group,)
-    return min((LONGEST_FILES.index(f) for f in files if f in LONGEST_FILES), default=len(LONGEST_FILES))
+    group = "test_ray.py" if xdist_group(item) == "ray" else xdist_group(item)
+    return LONGEST_FILES.index(group) if group in LONGEST_FILES else len(LONGEST_FILES)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -45,7 +45,7 @@ class CreateMarker:
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, model_path, chat_rows):
+def trained_run(tmp_path_factory, tiny_chat_model, chat_rows):
     """A one-step run with every logger and the HF export, as a user with umask 027 whose
     environment holds a W&B key and whose config holds a password in ray.address (a URL
     the SPMD path ignores but config.yaml records); its listening sockets are watched."""
@@ -53,7 +53,7 @@ def trained_run(tmp_path_factory, model_path, chat_rows):
     train = write_parquet([{"messages": c} for c in chat_rows[:8]], root / "train.parquet")
     val = write_parquet([{"messages": c} for c in chat_rows[8:12]], root / "val.parquet")
     out = root / "run"
-    overrides = base_overrides(model_path, train, val, out, **{
+    overrides = base_overrides(tiny_chat_model, train, val, out, **{
         "trainer.total_steps": 1, "trainer.loggers": "[console,jsonl,tensorboard]",
         "ray.address": f"ray://hpsft:{URL_PASSWORD}@127.0.0.1:10001",
     })
@@ -321,10 +321,11 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 RAY_WORKERS = {"ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5, "trainer.export_hf": "false"}
 
 
-def test_local_ray_run_listens_on_loopback_only_and_leaves_no_socket(tmp_path, model_path, tiny_data):
+@pytest.mark.starts_ray
+def test_local_ray_run_listens_on_loopback_only_and_leaves_no_socket(tmp_path, tiny_chat_model, tiny_data):
     pytest.importorskip("ray")
     train, val = tiny_data
-    args = base_overrides(model_path, train, val, tmp_path / "run", **{**RAY_WORKERS, "trainer.total_steps": 1})
+    args = base_overrides(tiny_chat_model, train, val, tmp_path / "run", **{**RAY_WORKERS, "trainer.total_steps": 1})
     run = run_watching_sockets(cli_command("hpsft.train_ray", args), tmp_path, RAY_ENV)
     assert run.proc.returncode == 0, run.proc.stderr[-5000:]
     # Driver, GCS, raylet, workers: a new instance of the run's own (not a cluster found on the machine).
@@ -333,12 +334,13 @@ def test_local_ray_run_listens_on_loopback_only_and_leaves_no_socket(tmp_path, m
     assert not run.left, f"still listening after the run: {run.left}"
 
 
-def test_local_ray_run_that_fails_leaves_no_socket(tmp_path, model_path, tiny_data):
+@pytest.mark.starts_ray
+def test_local_ray_run_that_fails_leaves_no_socket(tmp_path, tiny_chat_model, tiny_data):
     """The resume path is checked after the worker group is up: its actors, the rendezvous
     and Ray's daemons all exist when the run fails."""
     pytest.importorskip("ray")
     train, val = tiny_data
-    args = base_overrides(model_path, train, val, tmp_path / "run",
+    args = base_overrides(tiny_chat_model, train, val, tmp_path / "run",
                           **{**RAY_WORKERS, "trainer.resume": tmp_path / "none"})
     run = run_watching_sockets(cli_command("hpsft.train_ray", args), tmp_path, RAY_ENV)
     assert run.proc.returncode == 2 and "neither a global_step_<N> folder nor a run" in run.proc.stderr, \
@@ -348,7 +350,7 @@ def test_local_ray_run_that_fails_leaves_no_socket(tmp_path, model_path, tiny_da
 
 
 @pytest.mark.parametrize("outcome", ["finished", "failed"])
-def test_torchrun_run_leaves_no_socket(tmp_path, model_path, tiny_data, outcome):
+def test_torchrun_run_leaves_no_socket(tmp_path, tiny_chat_model, tiny_data, outcome):
     """Only torchrun's own rendezvous store listens beyond loopback (on every interface:
     torch's choice, which other nodes need). A failed run: rank 0 meets a bad row after
     the process group is up, and both ranks stop."""
@@ -356,8 +358,8 @@ def test_torchrun_run_leaves_no_socket(tmp_path, model_path, tiny_data, outcome)
     if outcome == "failed":
         train = str(Path(train).with_suffix(".jsonl"))
         Path(train).write_text(json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n")
-    args = base_overrides(model_path, train, val, tmp_path / "run", **{"trainer.total_steps": 1,
-                                                                       "trainer.export_hf": "false"})
+    args = base_overrides(tiny_chat_model, train, val, tmp_path / "run", **{"trainer.total_steps": 1,
+                                                                            "trainer.export_hf": "false"})
     run = run_watching_sockets(cli_command("hpsft.train", args, nproc=2), tmp_path)
     assert run.proc.returncode == (0 if outcome == "finished" else 1), run.proc.stderr[-5000:]
     assert len({pid for _, _, pid in run.seen}) >= 2, run.seen  # the launcher and the ranks: the watch saw them
