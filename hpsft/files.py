@@ -3,9 +3,14 @@
   marker, its manifest) stays inside the folder it names a file of, whatever the name holds;
 - a state file hpsft wrote loads as plain data (tensors, numbers, strings and containers of
   them: `torch.load(weights_only=True)`), so a planted pickle cannot run code;
-- what hpsft creates follows the user's umask.
+- what hpsft creates follows the user's umask;
+- a file is replaced atomically (written beside it, then renamed), so a crash never leaves a
+  partial file under its name; durably (synced to disk before the rename is) where a
+  checkpoint's integrity rests on it.
 """
 
+import hashlib
+import json
 import os
 import pickle
 import re
@@ -71,3 +76,46 @@ def load_plain_data(path: Path):
             "hpsft (or was tampered with) and is not loaded; remove it, or resume from a checkpoint whose "
             "origin you trust (docs/security.md)"
         ) from None
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's (its entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, write, durable: bool = False) -> None:
+    """`write(tmp_path)` then rename into `path`: a crash leaves no partial file under `path`.
+    `durable`: the file and the rename are on disk before this returns (the file synced before
+    the rename, so no crash can show `path` with contents missing)."""
+    tmp = file_beside(path)
+    try:
+        write(tmp)
+        if durable:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_path(path.parent)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically, on disk before this returns."""
+    write_atomically(path, lambda tmp: tmp.write_text(text), durable=True)
+
+
+def write_json_atomically(path: Path, value: dict) -> None:
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(value, indent=1) + "\n"))
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -23,7 +23,7 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
 
     import numpy as np
 
-    from hpsft.trainer.sft_trainer import rng_state, seed_everything, set_rng_state
+    from hpsft.trainer.rng import rng_state, seed_everything, set_rng_state
 
     seed_everything(7)
     torch.save({"rng": rng_state()}, tmp_path / "state.pt")

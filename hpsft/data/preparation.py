@@ -40,8 +40,8 @@ from hpsft.data.chat_messages import BadRow
 from hpsft.data.row_sequences import rows_sequences
 from hpsft.data.rows import DataError, TokenizeOptions, UnreadableRow
 from hpsft.data.shards import Shard, expand_entry, plan_shards, shard_rows
-from hpsft.data.token_store import (DamagedShard, MappedShard, ShardWriter, TokenStore, write_atomically,
-                                    write_json_atomically)
+from hpsft.data.token_store import DamagedShard, MappedShard, ShardWriter, TokenStore
+from hpsft.files import write_atomically, write_json_atomically
 from hpsft.progress import progress_bar
 
 STORE_FORMAT = 1

@@ -13,7 +13,6 @@ are touched. The lengths of all sequences (for sampling and balancing ranks) com
 list offsets, without touching the tokens. Why Arrow IPC: docs/data.md ("The token store").
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -26,21 +25,6 @@ from hpsft.files import file_beside
 
 SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())), ("row", pa.int64())])
 FLUSH_TOKENS = 1 << 22  # tokens buffered before a record batch is written
-
-
-def write_atomically(path: Path, write) -> None:
-    """`write(tmp_path)` then rename into `path`: a crash leaves no partial file under `path`."""
-    tmp = file_beside(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomically(path: Path, value: dict) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(value, indent=1) + "\n"))
 
 
 class ShardWriter:

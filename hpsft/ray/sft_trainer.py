@@ -17,7 +17,8 @@ from hpsft.ray.data_parallel import DataParallelWorker
 from hpsft.ray.data_preparation import RayTaskRunner
 from hpsft.ray.resource_pool import RayResourcePool
 from hpsft.ray.worker_group import ClassWithInitArgs, RayWorkerGroup, WorkerLostError
-from hpsft.trainer.sft_trainer import SFTTrainer, seed_everything
+from hpsft.trainer.rng import seed_everything
+from hpsft.trainer.sft_trainer import SFTTrainer
 from hpsft.workers import TrainingWorker
 
 

@@ -102,7 +102,7 @@ class RankActor:
 
     def build(self, worker: ClassWithInitArgs, rank_env: dict, backend: str | None, seed: int,
               collective_timeout_s: float) -> None:
-        from hpsft.trainer.sft_trainer import seed_everything
+        from hpsft.trainer.rng import seed_everything
 
         os.environ.update(rank_env)
         gpu_ids = ray.get_gpu_ids()

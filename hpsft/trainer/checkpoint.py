@@ -19,7 +19,6 @@ strings and containers of them), so a planted file cannot run code through them;
 shards are unpickled by DeepSpeed, which is why a checkpoint is code (docs/security.md).
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from hpsft.errors import UserInputError
-from hpsft.files import file_beside, load_plain_data, path_inside
+from hpsft.files import fsync_path, load_plain_data, path_inside, sha256, write_durably
 
 STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"
@@ -40,34 +39,6 @@ RUN_FINGERPRINT = "run_fingerprint.json"
 
 def warn(message: str) -> None:
     print(f"hpsft: warning: {message}", file=sys.stderr, flush=True)
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's (its entries') data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: Path, text: str) -> None:
-    """Replace `path` atomically with `text`, on disk before this returns."""
-    tmp = file_beside(path, prefix=path.name + ".")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(folder: Path) -> None:

@@ -6,11 +6,9 @@ normalisation inputs, logging and checkpoint timing; it never imports Ray.
 """
 
 import functools
-import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -33,28 +31,10 @@ from hpsft.trainer.failure_hook import fail, failing_step
 from hpsft.trainer.fingerprint import differences, run_fingerprint
 from hpsft.trainer.nonfinite import SkippedSteps, nonfinite_gradient_loss, nonfinite_gradient_steps
 from hpsft.trainer.preemption import PreemptionWatch
+from hpsft.trainer.rng import rng_state, seed_everything, set_rng_state
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
 from hpsft.workers import TrainingWorker
 from hpsft.workers.training_worker import SUMMED_OVER_RANKS, all_reduce_ranks
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict:
-    """Plain data (numbers, lists, a tensor), so a checkpoint loads with weights_only=True."""
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached_gaussian],
-            "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(tuple(state["numpy"]))
-    torch.set_rng_state(state["torch"])
 
 
 def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = False,
