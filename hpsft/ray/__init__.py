@@ -1,6 +1,6 @@
 """The Ray path: a driver (RaySFTTrainer) and a group of TrainingWorker actors."""
 
-from hpsft.ray.sft_trainer import RaySFTTrainer
+from hpsft.ray.ray_trainer import RaySFTTrainer
 from hpsft.ray.worker_group import (
     ClassWithInitArgs,
     PerRank,
