@@ -124,18 +124,25 @@ def test_a_custom_class_mixture_trains_its_rows_and_logs_per_dataset_losses(tmp_
         assert abs(untrained[f"val/loss/{name}"] - reference) <= LOSS_RTOL * reference, (name, untrained, reference)
 
 
-def test_per_dataset_sums_add_up_element_wise_over_ranks():
-    """The Ray driver's reduction, and SPMD's one all-reduce of the flattened values split
-    back into the same keys (here in one process: the sum over one rank)."""
-    from hpsft.workers.training_worker import SUMMED_OVER_RANKS, all_reduce_ranks, combine_ranks
+def test_step_results_combine_over_ranks_by_their_fields_rule():
+    """The Ray driver's combination of its workers' results and SPMD's one all-reduce of the
+    flattened values (here in one process: the sum over one rank) follow each field's rule:
+    shares added up (per source element-wise), memory the largest rank's, the global norm and
+    the learning rate taken from one; a TP rank after the first counts no share, only its work."""
+    from hpsft.workers.step_result import SHARE, StepResult
 
-    def rank_out(nll, tokens):
-        return {**{key: 1.0 for key in SUMMED_OVER_RANKS}, "source_nll_sums": nll, "source_loss_tokens": tokens,
-                "grad_norm": 0.5, "lr": 1e-3, "micro_batches": 2, "rss_anon_bytes": 7}
+    def rank_result(nll, tokens, **extra):
+        return StepResult(**{**{name: 1.0 for name in StepResult.names(SHARE)}, "flops": 5.0, "peak_flops": 9.0,
+                             "source_nll_sums": nll, "source_loss_tokens": tokens, "rss_anon_bytes": 7,
+                             "micro_batches": 2, "grad_norm": 0.5, "lr": 1e-3, **extra})
 
-    total = combine_ranks([rank_out([1.5, 0.0], [3, 0]), rank_out([2.0, 4.0], [1, 2])])
-    assert total["source_nll_sums"] == [3.5, 4.0] and total["source_loss_tokens"] == [4, 2]
-    assert total["nll_sum"] == 2.0 and total["grad_norm"] == 0.5
-    reduced = all_reduce_ranks({**rank_out([1.5, 0.0, 2.5], [3, 0, 5]), "nll_sum": 4.0})
-    assert reduced["source_nll_sums"] == [1.5, 0.0, 2.5] and reduced["source_loss_tokens"] == [3, 0, 5]
-    assert reduced["nll_sum"] == 4.0 and reduced["loss_tokens"] == 1.0
+    total = StepResult.combine([rank_result([1.5, 0.0], [3, 0]), rank_result([2.0, 4.0], [1, 2], rss_anon_bytes=9)])
+    assert total.source_nll_sums == [3.5, 4.0] and total.source_loss_tokens == [4, 2]
+    assert total.nll_sum == 2.0 and total.flops == 10.0 and total.rss_anon_bytes == 9
+    assert total.grad_norm == 0.5 and total.lr == 1e-3 and total.micro_batches == 2
+    reduced = rank_result([1.5, 0.0, 2.5], [3, 0, 5], nll_sum=4.0).all_reduced()
+    assert reduced.source_nll_sums == [1.5, 0.0, 2.5] and reduced.source_loss_tokens == [3, 0, 5]
+    assert reduced.nll_sum == 4.0 and reduced.loss_tokens == 1.0 and reduced.rss_anon_bytes == 7
+    second_tp_rank = rank_result([1.5, 2.0], [3, 1]).counted_once(first_tp_rank=False)
+    assert second_tp_rank.loss_tokens == 0 and second_tp_rank.source_loss_tokens == [0.0, 0.0]
+    assert second_tp_rank.flops == 5.0 and second_tp_rank.grad_norm == 0.5

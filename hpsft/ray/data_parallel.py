@@ -15,7 +15,7 @@ import torch
 from hpsft.data.balance import sequence_costs, split_by_cost
 from hpsft.data.batch import loss_token_count, select, seqlens
 from hpsft.ray.worker_group import PerRank, RayWorkerGroup
-from hpsft.workers.training_worker import combine_ranks
+from hpsft.workers.step_result import StepResult
 
 
 class DataParallelWorker:
@@ -31,11 +31,12 @@ class DataParallelWorker:
         positions = [p for p in dp_positions for _ in range(self.sp_size)]
         return positions, PerRank(select(batch, p) for p in positions)
 
-    def train_batch(self, batch) -> dict:
+    def global_loss_tokens(self, batch) -> int:
+        return loss_token_count(batch)
+
+    def train_batch(self, batch, global_loss_tokens: int) -> StepResult:
         _, shards = self.shard(batch)
-        global_loss_tokens = loss_token_count(batch)
-        outs = self.group.train_batch(shards, global_loss_tokens=global_loss_tokens).get()
-        return combine_ranks(outs)
+        return StepResult.combine(self.group.train_batch(shards, global_loss_tokens=global_loss_tokens).get())
 
     def infer_batch(self, batch) -> dict:
         """Per-sequence results of every rank, put back in the batch's order (the SP ranks'

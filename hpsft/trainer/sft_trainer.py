@@ -34,7 +34,7 @@ from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.rng import rng_state, seed_everything, set_rng_state
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
 from hpsft.workers import TrainingWorker
-from hpsft.workers.training_worker import SUMMED_OVER_RANKS, all_reduce_ranks
+from hpsft.workers.step_result import StepResult
 
 
 def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = False,
@@ -334,40 +334,38 @@ class SFTTrainer:
                             for name, nll, tokens in zip(names, nll_sums, loss_tokens)})
         return metrics
 
-    def step_metrics(self, out: dict, step_time: float) -> dict:
-        total = all_reduce_ranks(out)  # a no-op on the Ray driver, whose worker combined the ranks
-        objective, nll, z_loss, router_aux_loss, correct, loss_tokens, tokens, computed, flops, peak = (
-            total[key] for key in SUMMED_OVER_RANKS)
-        per_token = 1.0 / max(loss_tokens, 1.0)
+    def step_metrics(self, out: StepResult, step_time: float) -> dict:
+        total = out.all_reduced()  # a no-op on the Ray driver, whose worker combined the ranks
+        per_token = 1.0 / max(total.loss_tokens, 1.0)
         # train/loss is the plain NLL; every other term of the objective has its own name.
         optional = {}
         if self.config.loss.z_loss_weight:
-            optional["train/z_loss"] = z_loss * per_token
-        if router_aux_loss:
-            optional["train/router_aux_loss"] = router_aux_loss * per_token
-        if self.config.loss.z_loss_weight or self.config.loss.label_smoothing or router_aux_loss:
-            optional["train/objective"] = objective * per_token
+            optional["train/z_loss"] = total.z_loss_sum * per_token
+        if total.router_aux_loss_sum:
+            optional["train/router_aux_loss"] = total.router_aux_loss_sum * per_token
+        if self.config.loss.z_loss_weight or self.config.loss.label_smoothing or total.router_aux_loss_sum:
+            optional["train/objective"] = total.objective_sum * per_token
         if self.config.loss.token_accuracy:
-            optional["train/token_accuracy"] = correct * per_token
+            optional["train/token_accuracy"] = total.correct_tokens * per_token
         names = self.train_dataset.names
         if len(names) > 1:  # a source without loss tokens in this step has no loss to report
-            for name, nll_sum, tokens in zip(names, total["source_nll_sums"], total["source_loss_tokens"]):
+            for name, nll_sum, tokens in zip(names, total.source_nll_sums, total.source_loss_tokens):
                 if tokens:
                     optional[f"train/loss/{name}"] = nll_sum / tokens
                     optional[f"train/loss_tokens/{name}"] = int(tokens)
         return {
             **optional,
-            "train/loss": nll * per_token,
-            "train/grad_norm": out["grad_norm"],
-            "train/lr": out["lr"],
-            "train/loss_tokens": int(loss_tokens),
-            "train/tokens": int(tokens),
-            "perf/tokens_per_s": tokens / step_time,
-            "perf/padding_efficiency": tokens / max(computed, 1.0),
-            "perf/micro_batches_per_rank": out["micro_batches"],
-            "perf/mfu": flops / step_time / peak,  # peak: the sum of the devices' peaks
+            "train/loss": total.nll_sum * per_token,
+            "train/grad_norm": total.grad_norm,
+            "train/lr": total.lr,
+            "train/loss_tokens": int(total.loss_tokens),
+            "train/tokens": int(total.tokens),
+            "perf/tokens_per_s": total.tokens / step_time,
+            "perf/padding_efficiency": total.tokens / max(total.computed_tokens, 1.0),
+            "perf/micro_batches_per_rank": total.micro_batches,
+            "perf/mfu": total.flops / step_time / total.peak_flops,  # peak: the sum of the devices' peaks
             "perf/step_time_s": step_time,
-            "perf/rss_anon_gib": total["rss_anon_bytes"] / 2**30,  # the largest rank's, after the step
+            "perf/rss_anon_gib": total.rss_anon_bytes / 2**30,  # the largest rank's, after the step
             "train/epoch": self.epoch,
         }
 
@@ -380,15 +378,16 @@ class SFTTrainer:
                 yield batch
             self.epoch, self.samples_in_epoch = self.epoch + 1, 0
 
-    def train_step(self, batch) -> dict:
+    def train_step(self, batch) -> StepResult:
         if self.global_step + 1 == self.failing_step:
             fail(self.rank, self.failing_step)
+        global_loss_tokens = self.worker.global_loss_tokens(batch)
         poison = self.nonfinite_gradient_steps.get(self.global_step + 1)
         if poison is None:
-            return self.worker.train_batch(batch)
+            return self.worker.train_batch(batch, global_loss_tokens)
         self.worker.set_loss_fn(functools.partial(nonfinite_gradient_loss, poison))  # hpsft/trainer/nonfinite.py
         try:
-            return self.worker.train_batch(batch)
+            return self.worker.train_batch(batch, global_loss_tokens)
         finally:
             self.worker.reset()
 
@@ -432,7 +431,7 @@ class SFTTrainer:
                 self.global_step += 1
                 metrics = self.step_metrics(out, time.perf_counter() - start)
                 self.profile_after_step()  # after the step's time is taken: writing the trace is slow
-                self.skipped_steps.record(out["grad_norm"])  # the same global norm on every rank
+                self.skipped_steps.record(out.grad_norm)  # the same global norm on every rank
                 metrics["train/skipped_steps"] = self.skipped_steps.total
                 progress.update(1)
                 progress.set_postfix(step_postfix(metrics))

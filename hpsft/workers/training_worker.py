@@ -35,41 +35,7 @@ from hpsft.perf import device_peak, flop_counts, model_flops, rss_anon_bytes
 from hpsft.profiling import StepProfiler
 from hpsft.progress import progress_bar
 from hpsft.workers.fault_hook import maybe_fail
-
-
-# How the ranks' train_batch results make the step's, on both paths: these add up over the
-# ranks (each rank counts its share of the global batch); the others (grad_norm, lr,
-# micro_batches) are the same on every rank and taken from one. Work counts (flops and the
-# devices' peak) are every rank's own; the others are counted once per TP group.
-SUMMED_OVER_RANKS = ("objective_sum", "nll_sum", "z_loss_sum", "router_aux_loss_sum", "correct_tokens",
-                     "loss_tokens", "tokens", "computed_tokens", "flops", "peak_flops")
-# Lists with one number per training source (data.train_files entry), added up element-wise.
-SUMMED_PER_SOURCE = ("source_nll_sums", "source_loss_tokens")
-MAX_OVER_RANKS = ("rss_anon_bytes",)  # the largest rank's
-
-
-def combine_ranks(outs: list[dict]) -> dict:
-    """The step's results from every rank's (the Ray driver holds them all)."""
-    def combined(key):
-        if key in SUMMED_OVER_RANKS:
-            return sum(out[key] for out in outs)
-        if key in SUMMED_PER_SOURCE:
-            return [sum(values) for values in zip(*(out[key] for out in outs))]
-        if key in MAX_OVER_RANKS:
-            return max(out[key] for out in outs)
-        return outs[0][key]
-    return {key: combined(key) for key in outs[0]}
-
-
-def all_reduce_ranks(out: dict) -> dict:
-    """The step's results from this rank's, on every SPMD rank (a sum and a max collective)."""
-    n_sources = len(out["source_nll_sums"])
-    values = [out[k] for k in SUMMED_OVER_RANKS] + [v for k in SUMMED_PER_SOURCE for v in out[k]]
-    totals = distributed.all_reduce_sum(values)
-    per_source = totals[len(SUMMED_OVER_RANKS):]
-    return {**out, **dict(zip(SUMMED_OVER_RANKS, totals)),
-            **{k: per_source[i * n_sources:(i + 1) * n_sources] for i, k in enumerate(SUMMED_PER_SOURCE)},
-            **{k: distributed.all_reduce_max(out[k]) for k in MAX_OVER_RANKS}}
+from hpsft.workers.step_result import StepResult
 
 
 def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
@@ -167,63 +133,53 @@ class TrainingWorker:
             rows = [split_row(row, self.sp_rank, self.sp_size) for row in rows]
         return rows, bins
 
-    def train_batch(self, batch, global_loss_tokens: int | None = None) -> dict:
-        """One optimizer step on this rank's share of the global batch.
+    def global_loss_tokens(self, batch) -> int:
+        """The loss-token count of the whole global batch from this rank's share (a collective;
+        the SP/TP ranks of a group hold the same share: counted once)."""
+        total = distributed.all_reduce_sum([loss_token_count(batch)])[0]
+        return int(total) // (self.sp_size * self.tp_size)
 
-        `global_loss_tokens` (the loss-token count of the whole global batch) is all-reduced
-        here when not given; the Ray driver, which sees the whole batch, passes it in.
-        """
+    def train_batch(self, batch, global_loss_tokens: int) -> StepResult:
+        """One optimizer step on this rank's share of the global batch; the loss is normalised
+        by `global_loss_tokens` (global_loss_tokens() under SPMD; the Ray driver, which sees the
+        whole batch, counts it itself)."""
         maybe_fail(self.engine.steps + 1)
         lengths = seqlens(batch).tolist()
-        local_loss_tokens = loss_token_count(batch)
-        if global_loss_tokens is None:  # the SP/TP ranks of a group hold the same share: counted once
-            global_loss_tokens = int(distributed.all_reduce_sum([local_loss_tokens])[0]) // (self.sp_size *
-                                                                                            self.tp_size)
         rows, bins = self.micro_batches(batch)
         if self.n_sources > 1:
             rows = [{**row, "sequence_nll": True} for row in rows]
-        start = time.perf_counter()  # after the collectives above: every rank starts together
+        start = time.perf_counter()
         with self.profiler.annotate_step() if self.profiler else contextlib.nullcontext():
             result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
         seconds = time.perf_counter() - start
         # An SP rank does 1/SP of its group's work (attention included: its share of the heads),
         # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out).
         flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
-                            local_loss_tokens) / (self.sp_size * self.tp_size)
+                            loss_token_count(batch)) / (self.sp_size * self.tp_size)
         outputs = result["outputs"]
         nll_sum = sum(float(o["nll"]) for o in outputs)
         loss_tokens = sum(int(o["n_tokens"]) for o in outputs)  # this rank's (with SP: its slices')
         source_nll_sums, source_loss_tokens = (self.source_sums(batch, bins, outputs) if self.n_sources > 1
                                                else ([nll_sum], [loss_tokens]))
-        return self.counted_once_per_tp_group({
-            "objective_sum": sum(float(o["loss"]) for o in outputs),
-            "nll_sum": nll_sum,
-            "source_nll_sums": source_nll_sums,
-            "source_loss_tokens": source_loss_tokens,
-            "z_loss_sum": sum(float(o["z_loss"]) for o in outputs),
-            # token-weighted over micro-batches, as the objective weighs it
-            "router_aux_loss_sum": sum(float(o["router_aux_loss"]) * int(o["n_tokens"]) for o in outputs),
-            "correct_tokens": sum(int(o["correct"]) for o in outputs),
-            "loss_tokens": loss_tokens,
-            "tokens": sum(real_tokens(sum(lengths[i] for i in b), self.sp_rank, self.sp_size) for b in bins),
-            "computed_tokens": sum(r["input_ids"].numel() for r in rows),
-            "micro_batches": len(rows),
-            "flops": flops,
-            # Never below this step's own rate: the trainer's step time contains this rank's
-            # engine time, so its MFU reading stays <= 1 (PeakFlops.covering says how).
-            "peak_flops": self.peak.covering(flops / seconds),
-            "grad_norm": result["grad_norm"],
-            "lr": result["lr"],
-            "rss_anon_bytes": rss_anon_bytes(),
-        })
-
-    def counted_once_per_tp_group(self, out: dict) -> dict:
-        """The counts and sums of `out` on the group's first TP rank, zeros on the others: every
-        TP rank of a group trained the same rows (the work counts stay each rank's own)."""
-        if self.tp_rank == 0:
-            return out
-        counts = [key for key in SUMMED_OVER_RANKS if key not in ("flops", "peak_flops")]
-        return {**out, **{key: 0 for key in counts}, **{key: [0.0] * len(out[key]) for key in SUMMED_PER_SOURCE}}
+        return StepResult(
+            objective_sum=sum(float(o["loss"]) for o in outputs),
+            nll_sum=nll_sum,
+            z_loss_sum=sum(float(o["z_loss"]) for o in outputs),
+            router_aux_loss_sum=sum(float(o["router_aux_loss"]) * int(o["n_tokens"]) for o in outputs),
+            correct_tokens=sum(int(o["correct"]) for o in outputs),
+            loss_tokens=loss_tokens,
+            tokens=sum(real_tokens(sum(lengths[i] for i in b), self.sp_rank, self.sp_size) for b in bins),
+            computed_tokens=sum(r["input_ids"].numel() for r in rows),
+            source_nll_sums=source_nll_sums,
+            source_loss_tokens=source_loss_tokens,
+            flops=flops,
+            # The trainer's step time contains this rank's engine time, so its MFU reading stays <= 1.
+            peak_flops=self.peak.covering(flops / seconds),
+            rss_anon_bytes=rss_anon_bytes(),
+            micro_batches=len(rows),
+            grad_norm=result["grad_norm"],
+            lr=result["lr"],
+        ).counted_once(first_tp_rank=self.tp_rank == 0)
 
     def source_sums(self, batch, bins: list[list[int]], outputs: list[dict]) -> tuple[list[float], list[float]]:
         """NLL sums and loss-token counts per training source of this rank's share."""
