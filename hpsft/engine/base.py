@@ -42,17 +42,19 @@ class TrainEngine(ABC):
         """Optimizer steps taken, a resumed checkpoint's included."""
 
     @abstractmethod
-    def train_batch(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
+    def train_batch(self, micro_batches: list[dict], loss_fn: Callable, sequence_nll: bool = False) -> dict:
         """Forward/backward every micro-batch, then one optimizer step.
 
         `loss_fn(outputs) -> loss` maps a micro-batch's module outputs to the loss whose
         gradient, *summed* over micro-batches and data-parallel ranks, is the step's
-        gradient. Returns {"outputs": [...], "grad_norm": float, "lr": float}.
+        gradient. `sequence_nll`: the outputs also hold each sequence's NLL sum and loss tokens
+        (PackedCausalLM.forward's). Returns {"outputs": [...], "grad_norm": float, "lr": float}.
         """
 
     @abstractmethod
     def infer_batch(self, micro_batches: list[dict]) -> list:
-        """Forward only, no gradients; the module outputs of each micro-batch."""
+        """Forward only, no gradients: each micro-batch's per-sequence NLL sums and loss tokens
+        (PackedCausalLM.forward with per_sequence)."""
 
     @abstractmethod
     def save_checkpoint(self, root: str, tag: str) -> None:

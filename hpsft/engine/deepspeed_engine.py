@@ -177,13 +177,13 @@ class DeepSpeedEngine(TrainEngine):
     def to_device(self, micro_batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
 
-    def train_batch(self, micro_batches, loss_fn) -> dict:
+    def train_batch(self, micro_batches, loss_fn, sequence_nll: bool = False) -> dict:
         self.engine.train()
         lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves in step())
         outputs = []
         for i, micro_batch in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            out = self.engine(**self.to_device(micro_batch))
+            out = self.engine(**self.to_device(micro_batch), sequence_nll=sequence_nll)
             loss = loss_fn(out)
             self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
             outputs.append(detached(out))
@@ -214,7 +214,7 @@ class DeepSpeedEngine(TrainEngine):
     @torch.no_grad()
     def infer_batch(self, micro_batches) -> list:
         self.engine.eval()
-        return [detached(self.engine(**self.to_device(mb))) for mb in micro_batches]
+        return [detached(self.engine(**self.to_device(mb), per_sequence=True)) for mb in micro_batches]
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         # ds_to_universal requires this key (model-parallel slicing patterns: none here).

@@ -146,11 +146,11 @@ class TrainingWorker:
         maybe_fail(self.engine.steps + 1)
         lengths = seqlens(batch).tolist()
         rows, bins = self.micro_batches(batch)
-        if self.n_sources > 1:
-            rows = [{**row, "sequence_nll": True} for row in rows]
         start = time.perf_counter()
         with self.profiler.annotate_step() if self.profiler else contextlib.nullcontext():
-            result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens))
+            # with several training sources, per-sequence NLLs for the per-source losses
+            result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens),
+                                             sequence_nll=self.n_sources > 1)
         seconds = time.perf_counter() - start
         # An SP rank does 1/SP of its group's work (attention included: its share of the heads),
         # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out).
@@ -212,7 +212,7 @@ class TrainingWorker:
         loss_tokens = torch.zeros(n, dtype=torch.int64)
         rows, bins = self.micro_batches(batch)
         for row, positions in zip(rows, bins):
-            out = self.engine.infer_batch([{**row, "per_sequence": True}])[0]
+            out = self.engine.infer_batch([row])[0]
             if positions:  # an empty bin ran a placeholder row only to keep step with other ranks
                 nll_sums[positions] = out["nll"].cpu().double()
                 loss_tokens[positions] = out["n_tokens"].cpu()
