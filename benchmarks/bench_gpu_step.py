@@ -6,7 +6,7 @@ weights: nothing is downloaded. It runs through hpsft's own pieces as the traine
 PackedCausalLM (the fused varlen loss, hpsft_varlen attention) in hpsft's DeepSpeedEngine
 (engine.dtype=bfloat16, ZeRO-1), on packed rows of --tokens tokens (documents of 256-4096
 tokens, the last two thirds of each supervised). Prints, per step after a warm-up, the step
-time, tokens/s and MFU (model FLOPs as the trainer counts them, hpsft/perf.py, over
+time, tokens/s and MFU (model FLOPs as the trainer counts them, hpsft/utils/perf.py, over
 --peak-tflops per rank), and then hpsft's loss against Liger-Kernel's fused linear
 cross-entropy on the same hidden states, LM-head weight and labels (when liger_kernel is
 importable; a line says so otherwise): loss and d(hidden) within bf16 tolerances.
@@ -118,9 +118,9 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch.cuda.is_available() is False")
 
-    from hpsft import distributed
+    from hpsft.utils import distributed
     from hpsft.data.batch import target_mask
-    from hpsft.perf import flop_counts, model_flops
+    from hpsft.utils.perf import flop_counts, model_flops
 
     distributed.init_distributed()
     rank, world = distributed.rank(), distributed.world_size()

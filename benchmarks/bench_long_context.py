@@ -116,7 +116,7 @@ def measure(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpsft import distributed
+    from hpsft.utils import distributed
     from hpsft.config import load_config
     from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
     from hpsft.data.sequence_split import split_row

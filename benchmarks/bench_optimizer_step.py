@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="measured steps per variant (after one warm-up)")
     args = parser.parse_args()
 
-    from hpsft import distributed
+    from hpsft.utils import distributed
     from hpsft.config.schema import EngineConfig, OptimConfig
     from hpsft.data.batch import collate_jagged, packed_row
     from hpsft.engine.deepspeed_engine import DeepSpeedEngine

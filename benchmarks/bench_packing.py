@@ -39,7 +39,7 @@ def run_mode(mode: str, args) -> dict:
     from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
     from hpsft.models import PackedCausalLM, load_causal_lm
     from hpsft.data.batch import loss_token_count
-    from hpsft.perf import flop_counts, measure_matmul_peak, model_flops
+    from hpsft.utils.perf import flop_counts, measure_matmul_peak, model_flops
 
     torch.manual_seed(0)
     device = torch.device(args.device)

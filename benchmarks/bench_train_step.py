@@ -123,7 +123,7 @@ def line_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def gemm_peak(lm_config) -> float:
     from hpsft.config.schema import DataConfig
-    from hpsft.perf import measure_matmul_peak
+    from hpsft.utils.perf import measure_matmul_peak
 
     rows = min(DataConfig().max_tokens_per_micro_batch or 2048, 4096)  # as the trainer measures it
     return measure_matmul_peak(rows, lm_config.hidden_size, lm_config.intermediate_size, torch.float32,
@@ -143,11 +143,11 @@ def main() -> None:
     if variants[0] != "zero2" or not set(variants) <= set(VARIANTS):
         parser.error(f"--variants: zero2 first, then any of {', '.join(list(VARIANTS)[1:])}")
 
-    from hpsft import distributed
+    from hpsft.utils import distributed
     from hpsft.config.schema import DataConfig
     from hpsft.data.batch import collate_jagged, loss_token_count, packed_row, select, seqlens
     from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
-    from hpsft.perf import flop_counts, model_flops
+    from hpsft.utils.perf import flop_counts, model_flops
 
     torch.manual_seed(0)
     distributed.init_distributed()

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpsft.errors import UserInputError, exits_2_on_user_error
+from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB, weight_names
 
 
@@ -159,7 +159,7 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     from hpsft.models import load_tokenizer, write_hf_folder
     from hpsft.models.loading import check_model_path
     from hpsft.models.lora import add_lora, write_adapter_folder
-    from hpsft.progress import progress_bar
+    from hpsft.utils.progress import progress_bar
     from hpsft.trainer.checkpoint import CheckpointManager
 
     out = Path(out_dir)

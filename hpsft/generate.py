@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hpsft.errors import UserInputError, exits_2_on_user_error
+from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.loading import check_model_path, load_tokenizer
 
 

@@ -25,7 +25,7 @@ from hpsft.data.preparation import MANIFEST, is_store, summary_text
 from hpsft.data.row_sequences import OverMaxLength, row_sequences
 from hpsft.data.rows import TokenizeOptions, read_rows
 from hpsft.data.shards import expand_entry
-from hpsft.errors import UserInputError, exits_2_on_user_error
+from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 from hpsft.models.loading import check_model_path, load_tokenizer
 
 PLAIN_MARKS = ("[[", "]]")

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from hpsft.errors import UserInputError, exits_2_on_user_error
+from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
 # file name -> (title, y label, metrics drawn on it)
 CHARTS = {

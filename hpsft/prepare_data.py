@@ -43,7 +43,7 @@ from hpsft.data.row_sequences import row_conversations
 from hpsft.data.rows import TokenizeOptions, UnreadableRow, chat_template_text, drop_nulls, read_rows, \
     row_to_messages
 from hpsft.data.sharegpt import is_sharegpt, sharegpt_messages
-from hpsft.errors import UserInputError, exits_2_on_user_error
+from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
 DROP_REASONS = ("malformed", "empty", "duplicate", "over_max_length")
 EXAMPLES_PER_REASON = 5  # where and why, for the first few dropped rows of each reason

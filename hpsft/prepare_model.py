@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpsft.errors import UserInputError, exits_2_on_user_error
+from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Fine-tuning checks: 1, 2, 3."
 
@@ -122,7 +122,7 @@ def replace_dir(tmp: Path, out_dir: Path) -> None:
 
 def convert(source: Path, out_dir: Path, num_layers: int | None = None, overwrite: bool = False) -> Path:
     """Write `source` (a .gguf file or a Hugging Face folder) to `out_dir`, checked."""
-    from hpsft.files import umask_mode  # imports torch: not at module level, so --help stays quick
+    from hpsft.utils.files import umask_mode  # imports torch: not at module level, so --help stays quick
 
     source, out_dir = Path(source), Path(out_dir)
     if not source.exists():

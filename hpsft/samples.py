@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hpsft.config import load_config
 from hpsft.data.rows import TokenizeOptions, read_rows, row_to_messages
-from hpsft.errors import UserInputError, exits_2_on_user_error
+from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 from hpsft.generate import generate_replies, load_for_generation, model_folder
 
 

@@ -9,7 +9,7 @@ import sys
 import traceback
 
 from hpsft.config import load_config
-from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError, report_user_error
+from hpsft.utils.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError, report_user_error
 
 
 def parse_args(argv):

@@ -12,7 +12,7 @@ import os
 import sys
 
 from hpsft.config import load_config
-from hpsft.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError, report_user_error
+from hpsft.utils.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError, report_user_error
 
 
 def connect(address: str | None) -> None:

@@ -289,7 +289,7 @@ def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 *target, *args]
     if launcher == "deepspeed":
-        from hpsft.distributed import free_port
+        from hpsft.utils.distributed import free_port
 
         ds_target = [script] if script else ["--module", module]
         return [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}",

@@ -8,7 +8,7 @@ import torch
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.preparation import prepared_store
 from hpsft.data.rows import DataError, TokenizeOptions
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from tests.conftest import write_jsonl, write_parquet
 
 CONVERSATION = [

@@ -282,7 +282,7 @@ def test_data_chat_template_setting_is_used(tmp_path, model_tokenizers, as_file)
 
 def test_a_chat_template_setting_that_is_neither_text_nor_a_file_is_refused():
     from hpsft.data.rows import chat_template_text
-    from hpsft.errors import UserInputError
+    from hpsft.utils.errors import UserInputError
 
     with pytest.raises(UserInputError, match="data.chat_template='templates/missing.jinja' is neither a Jinja"):
         chat_template_text("templates/missing.jinja")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.trainer.checkpoint import CheckpointManager
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem
 

@@ -34,7 +34,7 @@ def test_weights_3_to_1_give_a_binomial_ratio_and_each_source_is_drawn_without_r
 
 def test_the_example_class_passes_the_check_and_a_broken_one_is_refused_by_name():
     from hpsft.data.custom_dataset import load_custom_class
-    from hpsft.errors import UserInputError
+    from hpsft.utils.errors import UserInputError
 
     assert load_custom_class(str(EXAMPLE), "TextDataset").__name__ == "TextDataset"
     with pytest.raises(UserInputError, match=f"class NoGetItem in {BROKEN} has no __getitem__ method"):

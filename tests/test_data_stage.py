@@ -253,7 +253,7 @@ TEAM_SCRIPT = """
 import sys
 from transformers import AutoTokenizer
 from hpsft.data.preparation import Team, TeamRunner, prepared_store
-from hpsft.errors import UserInputError, report_user_error
+from hpsft.utils.errors import UserInputError, report_user_error
 from tests.test_data_stage import options
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""Which GPU a rank takes (hpsft/distributed.py: cuda_device_index) under the ways launchers
+"""Which GPU a rank takes (hpsft/utils/distributed.py: cuda_device_index) under the ways launchers
 hand out GPUs. The visible-device count is the launcher's doing, so it is set here by
 replacing torch.cuda.device_count: the logic runs on machines without GPUs too."""
 
 import pytest
 import torch
 
-from hpsft.distributed import cuda_device_index
+from hpsft.utils.distributed import cuda_device_index
 
 
 @pytest.mark.parametrize("local_rank, visible, expected", [

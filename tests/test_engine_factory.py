@@ -6,7 +6,7 @@ import pytest
 
 from hpsft.config import load_config
 from hpsft.engine import DeepSpeedEngine, TrainEngine, build_engine
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from tests.conftest import REPO
 
 

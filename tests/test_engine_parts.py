@@ -42,7 +42,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_path):
 
 
 def test_model_flops_count_the_head_only_where_the_loss_is_taken(model_path):
-    from hpsft.perf import flop_counts, model_flops
+    from hpsft.utils.perf import flop_counts, model_flops
 
     lm = load_causal_lm(model_path)
     body, head = flop_counts(lm)

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from hpsft.distributed import free_port
+from hpsft.utils.distributed import free_port
 from tests.conftest import REPO, assert_same_steps, base_overrides, chat_parquet, train_env, train_steps
 from tests.ssh_server import ssh_server  # noqa: F401  (fixture)
 

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from hpsft.perf import PeakFlops, device_peak, measure_matmul_peak
+from hpsft.utils.perf import PeakFlops, device_peak, measure_matmul_peak
 from tests.conftest import base_overrides, read_metrics, run_cli
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpsft.distributed import free_port
+from hpsft.utils.distributed import free_port
 from tests.conftest import REPO, base_overrides, cli_command, read_metrics, run_cli, train_env, write_parquet
 from tests.test_spmd_training import assert_ok
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hpsft.config import load_config
-from hpsft.distributed import free_port
+from hpsft.utils.distributed import free_port
 from tests.conftest import (REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff,
                             run_cli, train_env, train_steps, write_parquet)
 from tests.tracking_files import (assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_offline_env,
@@ -280,7 +280,7 @@ def signal_the_driver_after_step(step: int):
 def test_sigterm_to_the_driver_saves_the_step_reached_and_a_new_driver_resumes(tmp_path, tiny_chat_model, data, zero3_run):
     """SIGTERM after step 2 is logged: the group finishes step 3, saves it (not a save_every
     step), and a new driver's resume reproduces the uninterrupted run."""
-    from hpsft.errors import Preempted
+    from hpsft.utils.errors import Preempted
 
     out = tmp_path / "run"
     with pytest.raises(Preempted, match="after step 3"):

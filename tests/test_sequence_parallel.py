@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels
 from hpsft.data.sequence_split import real_tokens, split_row
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.models.ulysses_attention import check_heads
 from tests.conftest import REPO, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff, run_cli, train_steps
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from hpsft.distributed import free_port
+from hpsft.utils.distributed import free_port
 from tests.conftest import (REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, read_metrics, run_cli,
                             train_env, train_steps)
 from tests.slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
@@ -88,7 +88,7 @@ def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, tiny_cha
     print(f"slurm job {job_id}: {slurm_seconds:.1f} s")
 
 
-PROBE = ("import os; from hpsft.distributed import init_distributed, rank, world_size; init_distributed(); "
+PROBE = ("import os; from hpsft.utils.distributed import init_distributed, rank, world_size; init_distributed(); "
          "print(f'{os.environ.get(\"PROBE\")} rank={rank()} world={world_size()} "
          "master={os.environ[\"MASTER_ADDR\"]}', flush=True)")
 

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hpsft.config import load_config
-from hpsft.distributed import Mesh, mesh
+from hpsft.utils.distributed import Mesh, mesh
 from hpsft.config.load import ConfigError
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.models.tensor_parallel import check_tensor_parallel
 from tests.conftest import REPO, assert_same_steps, base_overrides, read_metrics, run_cli, train_steps, write_parquet
 

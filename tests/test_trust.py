@@ -20,8 +20,8 @@ import torch
 
 from hpsft.config import load_config, to_yaml
 from hpsft.config.secrets import MASK, mask_secrets
-from hpsft.errors import UserInputError
-from hpsft.files import path_inside
+from hpsft.utils.errors import UserInputError
+from hpsft.utils.files import path_inside
 from hpsft.trainer.checkpoint import TRAINER_STATE, CheckpointManager, manifest_problem
 from tests.conftest import REPO, base_overrides, cli_command, run_cli, train_env, write_parquet
 

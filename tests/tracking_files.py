@@ -75,6 +75,6 @@ def assert_holds_the_jsonl_scalars(records: list, run_dir: Path, steps: list[int
 
 
 def profiled_steps(run_dir: Path, rank: int) -> list[str]:
-    """The `step N` annotations in a rank's Chrome trace (hpsft/profiling.py), sorted."""
+    """The `step N` annotations in a rank's Chrome trace (hpsft/utils/profiling.py), sorted."""
     trace = json.loads((run_dir / "profile" / f"rank{rank}_trace.json").read_text())
     return sorted(event["name"] for event in trace["traceEvents"] if event.get("name", "").startswith("step "))

@@ -22,7 +22,7 @@ import yaml
 
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.sharegpt import sharegpt_messages
-from hpsft.files import file_beside
+from hpsft.utils.files import file_beside
 
 
 def package_dir(name: str, pip_name: str) -> Path:

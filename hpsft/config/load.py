@@ -7,7 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hpsft.config.schema import SFTConfig
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.config.secrets import is_secret_key, mask_secrets
 
 

@@ -341,7 +341,7 @@ class TrainerConfig:
     log_every: int = 1
     export_hf: bool = True  # write the final model as a Hugging Face folder in <output_dir>/hf
     progress_bar: bool = True
-    # MFU denominator; unset: a known GPU's dense datasheet peak (hpsft/perf.py), else a GEMM measured at start-up
+    # MFU denominator; unset: a known GPU's dense datasheet peak (hpsft/utils/perf.py), else a GEMM measured at start-up
     peak_flops_per_device: Optional[float] = None
     # [first, last] optimizer steps (both included, counted from 1) to record with torch.profiler
     # into <output_dir>/profile/, on the data-parallel ranks in profile_ranks.

@@ -37,7 +37,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
 from hpsft.data.sliced_prefixes import prefix_slicer
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 # Content of the lone assistant message whose rendering locates where an opening assistant turn begins.
 PROBE = "hpsft-probe-assistant-content"

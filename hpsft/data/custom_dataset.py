@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 INTERFACE = ("a custom dataset class needs __init__(self, data_files, tokenizer, config), __len__(self) and "
              "__getitem__(self, i) -> {'input_ids', 'loss_mask'} (docs/data.md)")

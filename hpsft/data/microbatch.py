@@ -9,7 +9,7 @@ every forward/backward), so the count is agreed first and short ranks get empty 
 
 import heapq
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 
 def fixed_size_bins(n: int, micro_batch_size: int) -> list[list[int]]:

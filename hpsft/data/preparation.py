@@ -41,8 +41,8 @@ from hpsft.data.row_sequences import rows_sequences
 from hpsft.data.rows import DataError, TokenizeOptions, UnreadableRow
 from hpsft.data.shards import Shard, expand_entry, plan_shards, shard_rows
 from hpsft.data.token_store import DamagedShard, MappedShard, ShardWriter, TokenStore
-from hpsft.files import write_atomically, write_json_atomically
-from hpsft.progress import progress_bar
+from hpsft.utils.files import write_atomically, write_json_atomically
+from hpsft.utils.progress import progress_bar
 
 STORE_FORMAT = 1
 MANIFEST = "store.json"

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hpsft.data.chat_messages import BadRow
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 
 class DataError(UserInputError):

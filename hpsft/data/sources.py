@@ -13,7 +13,7 @@ import bisect
 import numpy as np
 import torch
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 
 class SourcedDataset(torch.utils.data.Dataset):

@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from hpsft.data.rows import DataError
-from hpsft.files import file_beside
+from hpsft.utils.files import file_beside
 
 SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())), ("row", pa.int64())])
 FLUSH_TOKENS = 1 << 22  # tokens buffered before a record batch is written

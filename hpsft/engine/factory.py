@@ -3,7 +3,7 @@ entry here and a file of its own, nothing in the worker."""
 
 from hpsft.engine.base import TrainEngine
 from hpsft.engine.deepspeed_engine import DeepSpeedEngine
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 ENGINES: dict[str, type[TrainEngine]] = {"deepspeed": DeepSpeedEngine}
 

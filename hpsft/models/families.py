@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 
 class UnsupportedModel(UserInputError):

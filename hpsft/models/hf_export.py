@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hpsft.files import umask_mode
+from hpsft.utils.files import umask_mode
 
 DEFAULT_MAX_SHARD_MB = 1024
 SINGLE_FILE = "model.safetensors"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
 

@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.models.hf_export import written_whole
 
 ADAPTER = "default"  # PEFT's adapter name inside the model; saved files drop it

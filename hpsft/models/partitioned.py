@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 INDEX_FILE = "model.safetensors.index.json"
 

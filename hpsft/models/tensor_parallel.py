@@ -10,7 +10,7 @@ every count TP splits to divide by TP, and a family whose layers were shown to t
 TP=2 exactly as one process (tests/test_tensor_parallel.py): Llama and Qwen2 so far.
 """
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 TESTED_FAMILIES = ("llama", "qwen2")
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION, no_mask
 
 ULYSSES_IMPLEMENTATION = "hpsft_ulysses"

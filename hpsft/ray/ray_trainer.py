@@ -12,7 +12,7 @@ and a group lost while being rebuilt uses up a restart too.
 """
 
 from hpsft.config import SFTConfig
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.ray.data_parallel import DataParallelWorker
 from hpsft.ray.data_preparation import RayTaskRunner
 from hpsft.ray.resource_pool import RayResourcePool

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from hpsft import distributed
+from hpsft.utils import distributed
 from hpsft.ray.resource_pool import RayResourcePool
 
 # Test hooks (tests/test_ray.py) set in the driver's environment reach every rank's process.

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from hpsft.errors import UserInputError
-from hpsft.files import fsync_path, load_plain_data, path_inside, sha256, write_durably
+from hpsft.utils.errors import UserInputError
+from hpsft.utils.files import fsync_path, load_plain_data, path_inside, sha256, write_durably
 
 STEP_PREFIX = "global_step_"
 PARTIAL_SUFFIX = ".partial"

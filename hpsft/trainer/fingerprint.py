@@ -32,7 +32,7 @@ from pathlib import Path
 from hpsft.data.preparation import MANIFEST, is_store
 from hpsft.data.rows import DataError
 from hpsft.data.shards import expand_entry
-from hpsft.files import sha256
+from hpsft.utils.files import sha256
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLED_BYTES = 1 << 20

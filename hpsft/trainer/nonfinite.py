@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 from hpsft.workers.training_worker import token_mean_loss
 
 NONFINITE_GRADIENT_STEPS_ENV = "HPSFT_TEST_NONFINITE_GRADIENT_STEPS"

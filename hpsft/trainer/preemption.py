@@ -1,6 +1,6 @@
 """Preemption: SIGTERM or SIGUSR1 (Slurm's --signal, Kubernetes, spot reclaims) ends the
 run after the current optimizer step with a checkpoint of that step, and the process
-exits with hpsft.errors.PREEMPTED_EXIT_CODE (75); re-running the same command resumes.
+exits with hpsft.utils.errors.PREEMPTED_EXIT_CODE (75); re-running the same command resumes.
 
 A signal may reach some ranks and not others, or reach them during different steps: after
 every step the ranks take the maximum of their flags (one small all-reduce), so they all
@@ -12,7 +12,7 @@ folder that no resume trusts. After the save, the entry points ignore further si
 import os
 import signal
 
-from hpsft import distributed
+from hpsft.utils import distributed
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

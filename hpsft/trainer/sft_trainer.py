@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from hpsft import distributed
+from hpsft.utils import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.custom_dataset import load_custom_class
@@ -22,10 +22,10 @@ from hpsft.data.rows import TokenizeOptions, chat_template_text
 from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sources import SourcedDataset
 from hpsft.engine import engine_class
-from hpsft.errors import Preempted, UserInputError
+from hpsft.utils.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
-from hpsft.progress import progress_bar, step_postfix
-from hpsft.tracking import Tracker, check_trackers_available
+from hpsft.utils.progress import progress_bar, step_postfix
+from hpsft.utils.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
 from hpsft.trainer.failure_hook import fail, failing_step
 from hpsft.trainer.fingerprint import differences, run_fingerprint

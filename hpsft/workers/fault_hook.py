@@ -11,7 +11,7 @@ Nothing but the tests sets it.
 import os
 import time
 
-from hpsft import distributed
+from hpsft.utils import distributed
 
 WORKER_FAULT_ENV = "HPSFT_TEST_WORKER_FAULT"
 

@@ -14,7 +14,7 @@ Each field says how it combines over ranks:
 import dataclasses
 from dataclasses import dataclass, field
 
-from hpsft import distributed
+from hpsft.utils import distributed
 
 SHARE, WORK, SHARE_PER_SOURCE, LARGEST, SAME = "share", "work", "share per source", "largest", "same"
 

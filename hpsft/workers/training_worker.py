@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from hpsft import distributed
+from hpsft.utils import distributed
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.data.sequence_split import real_tokens, split_row
@@ -31,9 +31,9 @@ from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.models.ulysses_attention import check_heads
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
-from hpsft.perf import device_peak, flop_counts, model_flops, rss_anon_bytes
-from hpsft.profiling import StepProfiler
-from hpsft.progress import progress_bar
+from hpsft.utils.perf import device_peak, flop_counts, model_flops, rss_anon_bytes
+from hpsft.utils.profiling import StepProfiler
+from hpsft.utils.progress import progress_bar
 from hpsft.workers.fault_hook import maybe_fail
 from hpsft.workers.step_result import StepResult
 
@@ -199,7 +199,7 @@ class TrainingWorker:
             self.profiler = StepProfiler(Path(folder), distributed.rank(), first_step)
 
     def stop_profiler(self) -> None:
-        """Write the trace and table of the profiled steps (hpsft/profiling.py)."""
+        """Write the trace and table of the profiled steps (hpsft/utils/profiling.py)."""
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None

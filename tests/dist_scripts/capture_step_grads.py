@@ -23,7 +23,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.workers.training_worker import token_mean_loss

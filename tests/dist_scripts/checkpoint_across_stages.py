@@ -11,7 +11,7 @@ import sys
 import torch
 
 from engine_steps_vs_torch import built_engine, random_steps, stepped
-from hpsft.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed
 from hpsft.models import load_causal_lm
 
 

@@ -14,7 +14,7 @@ import torch
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed
 from hpsft.engine import DeepSpeedEngine
 from hpsft.engine.optimizer import lr_lambda, param_groups
 from hpsft.models import PackedCausalLM, load_causal_lm

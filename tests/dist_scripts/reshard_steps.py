@@ -24,7 +24,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import IGNORE_INDEX, shifted_labels
-from hpsft.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.workers.training_worker import token_mean_loss

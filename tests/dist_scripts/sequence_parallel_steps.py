@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 
-from hpsft import distributed
+from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.data.sequence_split import split_row

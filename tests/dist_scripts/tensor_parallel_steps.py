@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpsft import distributed
+from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.engine import DeepSpeedEngine

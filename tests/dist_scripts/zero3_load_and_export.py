@@ -55,7 +55,7 @@ def main() -> None:
     import deepspeed  # noqa: F401  (the framework is part of the baseline)
     import transformers  # noqa: F401
 
-    from hpsft import distributed
+    from hpsft.utils import distributed
     from hpsft.config import load_config
     from hpsft.models import PackedCausalLM, load_causal_lm, load_tokenizer
     from hpsft.workers import TrainingWorker

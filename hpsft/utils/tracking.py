@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from hpsft.config import SFTConfig, masked_dict, to_yaml
 from hpsft.config.secrets import URL_PASSWORD
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 
 class ConsoleBackend:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hpsft.errors import UserInputError
+from hpsft.utils.errors import UserInputError
 
 
 def path_inside(root: Path, name: str, what: str) -> Path:
