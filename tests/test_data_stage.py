@@ -215,25 +215,26 @@ def step_metrics(run_dir) -> list[tuple[float, float]]:
 
 @pytest.mark.slow
 def test_ranks_and_nodes_preparing_longer_than_the_collective_timeout_train_as_one_process(
-        tmp_path, model_path, three_shards):
+        tmp_path, tiny_chat_model, three_shards):
     """2 ranks under torchrun, and 2 nodes of 1 rank (two torchrun agents at a c10d rendezvous),
     with engine.collective_timeout_s=5, prepare a store whose shards take longer than that: rank
     1 waits past the timeout for rank 0's last shard (measured from the shards' sidecars) on a
     file condition, both reach step 1, and both train the losses and unclipped gradient norms of
     one process on the same prepared store (rel. 1e-5, fp32). Catches: a wait inside a
     collective (the old broadcast of rank 0's tokens timed out after 300 s at scale), ranks that
-    disagree on the shards, a rank's share of the global batch counted twice or lost."""
+    disagree on the shards, a rank's share of the global batch counted twice or lost. Trains
+    tiny_chat_model (SmolLM2's tokenizer: the same preparation, cheaper steps)."""
     train, shard_mb = three_shards
     extra = {"data.shard_mb": shard_mb}
     two_ranks, two_nodes = tmp_path / "cache-ranks", tmp_path / "cache-nodes"
-    assert_ok(run_cli("hpsft.train", slow_overrides(model_path, train, tmp_path / "ranks", two_ranks, **extra),
+    assert_ok(run_cli("hpsft.train", slow_overrides(tiny_chat_model, train, tmp_path / "ranks", two_ranks, **extra),
                       nproc=2))
     assert waited_past_the_timeout(two_ranks) > COLLECTIVE_TIMEOUT_S
-    one = run_cli("hpsft.train", slow_overrides(model_path, train, tmp_path / "one", two_ranks, **extra))
+    one = run_cli("hpsft.train", slow_overrides(tiny_chat_model, train, tmp_path / "one", two_ranks, **extra))
     assert_ok(one)
     assert "preparing data" not in one.stdout  # the store the two ranks prepared
     env = {"NNODES": "2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}", "RDZV_ID": "data-2-nodes"}
-    nodes = [launch(slow_overrides(model_path, train, tmp_path / "nodes", two_nodes, **extra), **env)
+    nodes = [launch(slow_overrides(tiny_chat_model, train, tmp_path / "nodes", two_nodes, **extra), **env)
              for _ in range(2)]
     try:
         outputs = [node.communicate(timeout=900)[0] for node in nodes]
@@ -296,26 +297,28 @@ def test_a_bad_row_in_another_ranks_shard_stops_every_rank_with_its_message(tmp_
 
 
 @pytest.mark.slow
-def test_memory_does_not_grow_with_the_dataset(tmp_path, model_path, sharegpt):
+def test_memory_does_not_grow_with_the_dataset(tmp_path, tiny_chat_model, sharegpt):
     """2500 ShareGPT conversations, and the same repeated 4 times (3.6M vs 14.4M tokens of
     1 MiB shards): preparation's peak RSS is set by a shard, not by the dataset (within 10%),
     and a training rank's anonymous memory at step 1 on the prepared store (perf/rss_anon_gib)
     is within 10% and grows by less than 1 byte per added token (tokens held in the rank's
-    own memory, as int32 + bool, would add 5). Catches: the dataset gathered in Python lists
-    or loaded whole into a rank (planted: the store's token arrays copied out of the mapped
-    files: RssAnon 0.970 -> 0.987 GB, 17.9 MB more for 6.0M more tokens, over the 6.0 MB bound;
-    the preparation peaks were 0.58 GB at both scales)."""
+    own memory, as int32 + bool, would add 5). Training runs tiny_chat_model (same tokenizer:
+    the rank's memory beside the store is what is measured). Catches: the dataset gathered in
+    Python lists or loaded whole into a rank (planted: the store's token arrays copied out of
+    the mapped files: RssAnon 0.447 -> 0.473 GB, 25.9 MB more for 6.0M more tokens, over the
+    6.0 MB bound; the preparation peaks 0.75 GB at both scales; on the 2-layer SmolLM2 0.970 ->
+    0.987 GB, 17.9 MB more)."""
     rows = [{"messages": c} for c in sharegpt[:2500]]
     peaks, rss, tokens = [], [], []
     for repeat in (1, 4):
         train = write_jsonl(rows * repeat, tmp_path / f"sharegpt_x{repeat}.jsonl")
         cache = tmp_path / f"cache{repeat}"
-        proc = run_prepare([train, str(cache), "1", model_path])
+        proc = run_prepare([train, str(cache), "1", tiny_chat_model])
         output = proc.communicate(timeout=1200)[0]
         assert proc.returncode == 0, output[-3000:]
         peaks.append(int(output.split("peak RSS kB ")[-1].split()[0]) * 1024)
         out_dir = tmp_path / f"run{repeat}"
-        overrides = base_overrides(model_path, train, None, out_dir, **{
+        overrides = base_overrides(tiny_chat_model, train, None, out_dir, **{
             "data.cache_dir": str(cache), "data.max_length": 1024, "data.truncation": "right", "data.shard_mb": 1,
             "data.train_batch_size": 4, "data.micro_batch_size_per_gpu": 4, "trainer.total_steps": 1,
             "trainer.export_hf": "false"})
