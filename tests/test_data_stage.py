@@ -297,6 +297,7 @@ def test_a_bad_row_in_another_ranks_shard_stops_every_rank_with_its_message(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # beside another worker's tests its bounds were missed (docs/testing.md)
 def test_memory_does_not_grow_with_the_dataset(tmp_path, tiny_chat_model, sharegpt):
     """2500 ShareGPT conversations, and the same repeated 4 times (3.6M vs 14.4M tokens of
     1 MiB shards): preparation's peak RSS is set by a shard, not by the dataset (within 10%),
