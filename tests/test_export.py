@@ -34,11 +34,14 @@ def zero_to_fp32(checkpoint) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_zero_to_fp32_loads_strictly_and_any_checkpoint_exports(tmp_path, model_path, tiny_data, zero_stage):
+def test_zero_to_fp32_loads_strictly_and_any_checkpoint_exports(tmp_path, tiny_chat_model, tiny_data, zero_stage):
+    """Whole-weight round trips of a 2-rank run's checkpoints: the SmolLM2-shaped tiny model
+    (tied embeddings, grouped key/value heads, SmolLM2's tokenizer and template) needs no
+    pretrained weights for them."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
-    proc = run_cli("hpsft.train", base_overrides(model_path, *tiny_data, out, **{
+    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, *tiny_data, out, **{
         "engine.zero_stage": zero_stage, "trainer.save_every": 1, "data.micro_batch_size_per_gpu": 2,
     }), nproc=2)
     assert_ok(proc)
@@ -83,12 +86,12 @@ def test_zero_to_fp32_loads_strictly_and_any_checkpoint_exports(tmp_path, model_
     assert f"hpsft: error: {tmp_path / 'final'} exists and is not an empty folder" in proc.stderr
 
 
-def test_a_checkpoint_without_zero_exports(tmp_path, model_path, tiny_data):
+def test_a_checkpoint_without_zero_exports(tmp_path, tiny_chat_model, tiny_data):
     """One process runs engine.zero_stage=2 without ZeRO (zero_stage_to_run): its checkpoints
     hold the module whole in DeepSpeed's model file, and the tool exports them as the end of
     the run writes hf/."""
     out = tmp_path / "run"
-    proc = run_cli("hpsft.train", base_overrides(model_path, *tiny_data, out, **{"data.micro_batch_size_per_gpu": 2}))
+    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, *tiny_data, out, **{"data.micro_batch_size_per_gpu": 2}))
     assert_ok(proc)
     assert "engine.zero_stage=2 in one process runs without ZeRO" in proc.stdout
     step_2 = out / "checkpoints" / "global_step_2"
@@ -144,13 +147,13 @@ def test_zero3_builds_the_default_model_partitioned_and_exports_it_streamed(tmp_
     assert len(json.loads((out / "hf" / "model.safetensors.index.json").read_text())["weight_map"]) == len(original)
 
 
-def test_zero3_refuses_weights_stored_under_other_names(tmp_path, model_path, tiny_data):
+def test_zero3_refuses_weights_stored_under_other_names(tmp_path, tiny_chat_model, tiny_data):
     import shutil
 
     from safetensors.torch import save_file
 
     folder = tmp_path / "renamed"
-    shutil.copytree(model_path, folder)
+    shutil.copytree(tiny_chat_model, folder)
     weights = load_file(folder / "model.safetensors")
     weights["model.norm.scale"] = weights.pop("model.norm.weight")
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})

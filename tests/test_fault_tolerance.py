@@ -48,24 +48,36 @@ def train(tmp_path_factory, chat_rows):
     return write_parquet([{"messages": c} for c in chat_rows[:16]], root / "train.parquet")
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, model_path, train):
-    """The uninterrupted run (1 process) the recovered runs below are compared with: those
-    with 2 ranks too (a 2-rank run's losses are within 2e-7 of it: test_elastic_resume)."""
+def straight_run(tmp_path_factory, model: str, train: str):
+    """The uninterrupted run (1 process) of `model` the recovered runs below are compared with:
+    those with 2 ranks too (a 2-rank run's losses are within 2e-7 of it: test_elastic_resume)."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, out, **COMMON)))
+    assert_ok(run_cli("hpsft.train", base_overrides(model, train, None, out, **COMMON)))
     return out
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, model_path, train):
+    """The 2-layer SmolLM2's: the SIGTERM test needs its steps' length (the signal lands
+    within step 2; the tiny model's steps take milliseconds)."""
+    return straight_run(tmp_path_factory, model_path, train)
+
+
+@pytest.fixture(scope="module")
+def straight_tiny(tmp_path_factory, tiny_chat_model, train):
+    return straight_run(tmp_path_factory, tiny_chat_model, train)
+
+
 @pytest.mark.slow
-def test_rotation_and_resume_past_damaged_checkpoints(tmp_path, model_path, train, straight):
+def test_rotation_and_resume_past_damaged_checkpoints(tmp_path, tiny_chat_model, train, straight_tiny):
     """keep_last_checkpoints=3 over 4 saves keeps steps 2-4; with step 4's manifest gone and a
     shard of step 3 truncated, the resume warns about both, goes on from step 2, and its
-    losses and gradient norms equal the uninterrupted run's."""
+    losses and gradient norms equal the uninterrupted run's. (The SmolLM2-shaped tiny model:
+    rotation and resume need no pretrained weights, and its checkpoints are ~20x smaller.)"""
     rotated = tmp_path / "rotated"
     rotating = {**COMMON, "trainer.save_every": 1, "trainer.keep_last_checkpoints": 3}
     (rotated / "checkpoints" / "global_step_1.partial").mkdir(parents=True)  # left by a crashed save
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, rotated, **rotating,
+    assert_ok(run_cli("hpsft.train", base_overrides(tiny_chat_model, train, None, rotated, **rotating,
                                                     **{"trainer.stop_at_step": 4})))
     assert checkpoint_names(rotated) == ["global_step_2", "global_step_3", "global_step_4"]
     assert not list((rotated / "checkpoints").glob("*.partial"))
@@ -74,17 +86,18 @@ def test_rotation_and_resume_past_damaged_checkpoints(tmp_path, model_path, trai
     shard = max((rotated / "checkpoints" / "global_step_3").glob("*.pt"), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, rotated, **rotating))
+    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, train, None, rotated, **rotating))
     assert_ok(proc)
     assert "hpsft: warning: checkpoint" in proc.stderr and "global_step_4 is damaged (no manifest.json" in proc.stderr
     assert f"global_step_3 is damaged ({shard.name} has" in proc.stderr
     assert "resumed from" in proc.stdout and "global_step_2 at step 2" in proc.stdout
-    assert_same_steps(straight, rotated, range(1, 6))
+    assert_same_steps(straight_tiny, rotated, range(1, 6))
     assert checkpoint_names(rotated) == ["global_step_3", "global_step_4", "global_step_5"]
 
 
 @pytest.mark.slow
-def test_a_fresh_run_into_an_old_run_directory_is_refused_unless_overwritten(tmp_path, model_path, tiny_data):
+def test_a_fresh_run_into_an_old_run_directory_is_refused_unless_overwritten(tmp_path, tiny_chat_model, tiny_data):
+    """(The SmolLM2-shaped tiny model: the refusal and the overwrite need no pretrained weights.)"""
     train, _ = tiny_data
     out = tmp_path / "run"
     (out / "checkpoints" / "global_step_7").mkdir(parents=True)  # what an earlier run left
@@ -92,14 +105,14 @@ def test_a_fresh_run_into_an_old_run_directory_is_refused_unless_overwritten(tmp
     (out / "metrics.jsonl").write_text('{"step": 7, "train/loss": 1.0}\n')
     (out / "notes.txt").write_text("the user's own file")
     fresh = {"trainer.resume": "disable", "trainer.total_steps": 1, "trainer.export_hf": "false"}
-    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, out, **fresh))
+    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, train, None, out, **fresh))
     assert proc.returncode == 2, proc.stderr[-3000:]
     last_line = proc.stderr.strip().splitlines()[-1]
     assert last_line.startswith(f"hpsft: error: trainer.output_dir={out} already holds a run"), last_line
     assert "trainer.overwrite_output_dir=true" in last_line and "Traceback" not in proc.stderr
     assert (out / "checkpoints" / "global_step_7").is_dir()  # refused: nothing touched
 
-    assert_ok(run_cli("hpsft.train", base_overrides(model_path, train, None, out, **fresh, **{
+    assert_ok(run_cli("hpsft.train", base_overrides(tiny_chat_model, train, None, out, **fresh, **{
         "trainer.overwrite_output_dir": "true"})))
     assert [m["step"] for m in read_metrics(out)] == [1]
     assert checkpoint_names(out) == ["global_step_1"] and (out / "notes.txt").is_file()
@@ -210,18 +223,19 @@ SKIP_PATHS = {(0, 1): 0, (2, 2): 2, (3, 1): 1}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage, nproc", list(SKIP_PATHS))
-def test_non_finite_gradient_steps_are_skipped_counted_and_stop_the_run(tmp_path, model_path, tiny_data, zero_stage,
-                                                                        nproc):
+def test_non_finite_gradient_steps_are_skipped_counted_and_stop_the_run(tmp_path, tiny_chat_model, tiny_data,
+                                                                        zero_stage, nproc):
     """An infinite gradient norm in step 2 and NaN gradients in step 3 (the test hook): step 2
     leaves weights, optimizer state and LR schedule exactly as step 1 saved them; step 3 is the
     second skip in a row with trainer.max_skipped_steps=2 and stops the run, naming the last
     checkpoint; without ZeRO (the engine's own skip), ZeRO-1/2 over 2 ranks, ZeRO-3.
     Planted: the engine's skip testing math.isnan (an inf norm applied as a normal step: [0-1]
-    failed, its weights went NaN and step 3's loss with them); SkippedSteps counting NaN norms
-    only ([2-2] failed: the run did not stop, DeepSpeed's ZeRO-1/2 reports inf for both)."""
+    failed, its weights went NaN and step 3's loss with them, on the tiny model too); SkippedSteps counting NaN norms
+    only ([2-2] failed: the run did not stop, DeepSpeed's ZeRO-1/2 reports inf for both).
+    The SmolLM2-shaped tiny model: the skip paths need no pretrained weights."""
     train, _ = tiny_data
     out = tmp_path / "run"
-    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, out, **{
+    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, train, None, out, **{
         "data.train_batch_size": 4, "trainer.total_steps": 4, "trainer.save_every": 1,
         "trainer.max_skipped_steps": 2, "engine.zero_stage": zero_stage, "trainer.export_hf": "false",
     }), nproc=nproc, env={"HPSFT_TEST_NONFINITE_GRADIENT_STEPS": "2:inf,3:nan"})

@@ -41,12 +41,13 @@ def plain_ranks_command(args: list[str], nproc: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "none"])
-def test_a_failure_on_one_rank_ends_every_rank_within_seconds(tmp_path, model_path, tiny_data, launcher):
+def test_a_failure_on_one_rank_ends_every_rank_within_seconds(tmp_path, tiny_chat_model, tiny_data, launcher):
     """Rank 1 raises in step 2 while rank 0 enters the step's collectives; the collective
-    timeout is far away (600 s), so only the failure's own propagation can end rank 0."""
+    timeout is far away (600 s), so only the failure's own propagation can end rank 0.
+    (The SmolLM2-shaped tiny model: the failure's path needs no pretrained weights.)"""
     train, _ = tiny_data
     out = tmp_path / "run"
-    args = base_overrides(model_path, train, None, out, **{
+    args = base_overrides(tiny_chat_model, train, None, out, **{
         "data.train_batch_size": 4, "trainer.total_steps": 3, "trainer.export_hf": "false",
         "engine.collective_timeout_s": 600})
     command = cli_command("hpsft.train", args, nproc=2) if launcher == "torchrun" else plain_ranks_command(args, 2)
@@ -83,9 +84,13 @@ def test_a_failure_on_one_rank_ends_every_rank_within_seconds(tmp_path, model_pa
 
 
 @pytest.mark.slow
-def test_zero3_token_accuracy_with_over_2048_loss_tokens_on_one_rank_completes(tmp_path, model_path):
+def test_zero3_token_accuracy_with_over_2048_loss_tokens_on_one_rank_completes(tmp_path, tiny_chat_model):
     """One rank's micro-batch has > 2,048 loss tokens, the other's a handful: computing the
-    accuracy must make the same collectives on both (ZeRO-3 gathers parameters collectively)."""
+    accuracy must make the same collectives on both (ZeRO-3 gathers parameters collectively).
+    The SmolLM2-shaped tiny model: its tied head (49152 x 64) is partitioned by ZeRO-3 as
+    SmolLM2's is. Planted: count_correct calling the head module (`head(hidden[r])`, which
+    gathers its weight once per chunk on this rank only): the run failed, rank 1 aborted and
+    rank 0's next ZeRO-3 parameter fetch ended in a gloo connection reset."""
     long_answer = " ".join(f"word{i}" for i in range(650))  # ~2,700 assistant tokens
     rows = [
         {"messages": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": long_answer}]},
@@ -93,7 +98,7 @@ def test_zero3_token_accuracy_with_over_2048_loss_tokens_on_one_rank_completes(t
     ]
     train = write_parquet(rows, tmp_path / "train.parquet")
     out = tmp_path / "run"
-    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, out, **{
+    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, train, None, out, **{
         "data.train_batch_size": 2, "data.micro_batch_size_per_gpu": 1, "data.max_length": 4096,
         "data.shuffle": "false", "engine.zero_stage": 3, "loss.token_accuracy": "true",
         "trainer.total_steps": 1, "trainer.export_hf": "false", "engine.collective_timeout_s": 120}),
