@@ -58,12 +58,12 @@ demo: model data
 	$(PY) -m hpsft.plot $(RUN)
 
 # The whole suite (CPU, gloo, real model and data) over TEST_WORKERS pytest-xdist workers
-# (tests/conftest.py groups it by file, the Ray tests in one group), then the tests marked
+# (a test file to one worker whole, the longest files first: tests/conftest.py), then the tests marked
 # `alone` (they measure a process's memory) by themselves. TEST_WORKERS=0: all in one process.
 # Exit 5 (no test selected, e.g. a PYTEST_ARGS -k that picks tests of one part only) is no failure.
 TEST_WORKERS ?= 2
 test: model data
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup -m "not alone" --durations=30 $(PYTEST_ARGS); \
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not alone" --durations=30 $(PYTEST_ARGS); \
 	shared=$$?; [ $$shared -eq 5 ] && shared=0; \
 	$(PY) -m pytest tests -m alone --durations=5 $(PYTEST_ARGS); \
 	alone=$$?; [ $$alone -eq 5 ] && alone=0; \

@@ -108,7 +108,6 @@ FAST_TESTS = (
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the quick loop (make test-fast): each subsystem's cheapest strong test")
-    config.addinivalue_line("markers", "starts_ray: starts a Ray instance of its own (one xdist group with test_ray.py)")
     config.addinivalue_line("markers", "alone: measures a process's memory: make test runs these after the others, "
                                        "with nothing beside them")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -121,6 +120,12 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
+# Under pytest-xdist (make test) each test file goes to one worker whole (--dist loadfile),
+# so that its module-scoped fixtures (a reference run, a Ray instance, the Slurm cluster) are
+# made once. (Not --dist loadgroup: with pytest 9 pytest-xdist 3.8 cannot rename the node ids
+# it groups by, so every test was dealt out alone and a module's fixtures built on both
+# workers: found 2026-12-01.) Ray instances of two files may run side by side; they did in
+# every xdist run so far, without a failure of their own.
 # The files that take longest (make test's --durations, CPU s from HPSFT_TEST_CPU_TIMES), most
 # first: they are collected first, so that pytest-xdist starts them first and the workers'
 # last files are short ones (a long file started last would keep one worker busy alone).
@@ -130,33 +135,19 @@ LONGEST_FILES = ("test_ray.py", "test_data_stage.py", "test_spmd_training.py", "
                  "test_run_fingerprint.py", "test_checkpoint_dirs.py", "test_no_hangs.py")
 
 
-def xdist_group(item) -> str:
-    """The group of tests one pytest-xdist worker runs in a row (make test, --dist loadgroup):
-    a test file, so that its module-scoped fixtures (a reference run, a Ray instance) are made
-    once. The tests that start a Ray instance, test_ray.py's (a module instance) and those
-    marked `starts_ray` (their own), are one group, so that no two instances with Ray's default
-    ports (the dashboard agent's, the metrics exporter's) run side by side (test_slurm's
-    Ray-in-an-allocation test gives its head a free port; it ran beside them and passed). The
-    session-scoped Slurm cluster is one file's."""
-    name = Path(str(item.fspath)).name
-    return "ray" if name == "test_ray.py" or item.get_closest_marker("starts_ray") else name
-
-
 def file_rank(item) -> int:
-    """Where the item's group comes in LONGEST_FILES (a group not listed: after them all)."""
-    group = "test_ray.py" if xdist_group(item) == "ray" else xdist_group(item)
-    return LONGEST_FILES.index(group) if group in LONGEST_FILES else len(LONGEST_FILES)
+    """Where the item's file comes in LONGEST_FILES (a file not listed: after them all)."""
+    name = Path(str(item.fspath)).name
+    return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark FAST_TESTS `fast`; under -m fast with the whole suite collected, a listed name that
     matches no test is an error (a renamed test must not drop out of the loop unseen). Put
-    each test in its xdist group, and the longest files first (stable: a file's tests keep
-    their order, so a module fixture is still made once) when pytest-xdist runs the suite."""
+    the longest files first (stable: a file's tests keep their order, so a module fixture is
+    still made once) when pytest-xdist runs the suite."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         items.sort(key=file_rank)
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     matched = set()
     for item in items:
         name = item.nodeid.split("[")[0]

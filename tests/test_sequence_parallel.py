@@ -251,7 +251,6 @@ def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
 
 
 @pytest.mark.slow
-@pytest.mark.starts_ray
 def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
     """The same checkpoint resumed by a Ray driver over 2 workers with SP=2 (the driver counts
     the loss tokens): the same steps 2 and 3.

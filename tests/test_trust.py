@@ -321,7 +321,6 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 RAY_WORKERS = {"ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5, "trainer.export_hf": "false"}
 
 
-@pytest.mark.starts_ray
 def test_local_ray_run_listens_on_loopback_only_and_leaves_no_socket(tmp_path, tiny_chat_model, tiny_data):
     pytest.importorskip("ray")
     train, val = tiny_data
@@ -334,7 +333,6 @@ def test_local_ray_run_listens_on_loopback_only_and_leaves_no_socket(tmp_path, t
     assert not run.left, f"still listening after the run: {run.left}"
 
 
-@pytest.mark.starts_ray
 def test_local_ray_run_that_fails_leaves_no_socket(tmp_path, tiny_chat_model, tiny_data):
     """The resume path is checked after the worker group is up: its actors, the rendezvous
     and Ray's daemons all exist when the run fails."""
