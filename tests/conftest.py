@@ -266,32 +266,69 @@ def train_env() -> dict:
     # would import the hpsft the virtualenv has installed (maybe another checkout's).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    if preloaded_server:
+        env[PRELOADED_SOCKET_ENV] = preloaded_server[0]
     return env
 
 
+PRELOADED = REPO / "tests" / "preloaded.py"
+PRELOADED_SOCKET_ENV = "HPSFT_TEST_PRELOADED_SOCKET"
+preloaded_server: list = []  # [socket path, server process] once started
+
+
+def preloaded_python() -> list[str]:
+    """The command that stands for `python` in the CLI's command lines: the client of this
+    pytest process's preloading server (tests/preloaded.py: the imports done once, a fork per
+    run), started on first use. HPSFT_TEST_PRELOADED=0 makes every run a cold start."""
+    if os.environ.get("HPSFT_TEST_PRELOADED", "1") == "0":
+        return [sys.executable]
+    if not preloaded_server:
+        import atexit
+        import tempfile
+
+        path = str(Path(tempfile.mkdtemp(prefix="hpsft-preloaded-")) / "socket")
+        env = train_env()  # before the server is noted: its own environment names no socket
+        log = open(Path(path).with_name("server.log"), "w")
+        server = subprocess.Popen([sys.executable, "-u", str(PRELOADED), "--serve", path], cwd=REPO, env=env,
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        atexit.register(server.kill)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):  # bound at once; it imports after (clients wait in its backlog)
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the preloading server did not start: {Path(path).with_name('server.log')}")
+            time.sleep(0.05)
+        preloaded_server.extend([path, server])
+    return [sys.executable, str(PRELOADED)]
+
+
 def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str | None = None,
-                launcher: str = "torchrun") -> list[str]:
+                launcher: str = "torchrun", preloaded: bool = True) -> list[str]:
     """`python -m module args` (or a script): one plain process, or `nproc` ranks under
-    torchrun or the deepspeed launcher."""
+    torchrun or the deepspeed launcher. Each of those processes starts preloaded
+    (tests/preloaded.py) unless `preloaded` is False: a cold `python`, for the tests that find
+    a run's processes by their /proc environment."""
     target = [script] if script else ["-m", module]
+    python = preloaded_python() if preloaded else [sys.executable]
+    client = python[1:]  # [tests/preloaded.py] or []
     if nproc == 1:
-        return [sys.executable, *target, *args]
+        return [*python, *target, *args]
     if launcher == "torchrun":
+        # Preloaded, torchrun's script is the client and `-m module` (or the script) its arguments.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                *target, *args]
+                *client, *target, *args]
     if launcher == "deepspeed":
         from hpsft.utils.distributed import free_port
 
-        ds_target = [script] if script else ["--module", module]
+        ds_target = [*client, *target] if client else [script] if script else ["--module", module]
         return [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nproc}", f"--master_port={free_port()}",
                 *ds_target, *args]
     raise ValueError(launcher)
 
 
 def run_cli(module: str | None, args: list[str], nproc: int = 1, timeout: int = 600, script: str | None = None,
-            launcher: str = "torchrun", env: dict | None = None):
+            launcher: str = "torchrun", env: dict | None = None, preloaded: bool = True):
     """Run the CLI (see cli_command) in fresh processes to the end; `env` adds variables."""
-    return subprocess.run(cli_command(module, args, nproc, script, launcher), cwd=REPO,
+    return subprocess.run(cli_command(module, args, nproc, script, launcher, preloaded), cwd=REPO,
                           env={**train_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 

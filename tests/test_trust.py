@@ -57,7 +57,8 @@ def trained_run(tmp_path_factory, tiny_chat_model, chat_rows):
         "trainer.total_steps": 1, "trainer.loggers": "[console,jsonl,tensorboard]",
         "ray.address": f"ray://hpsft:{URL_PASSWORD}@127.0.0.1:10001",
     })
-    run = run_watching_sockets(cli_command("hpsft.train", overrides), root, {"WANDB_API_KEY": WANDB_KEY}, RUN_UMASK)
+    run = run_watching_sockets(cli_command("hpsft.train", overrides, preloaded=False), root,
+                               {"WANDB_API_KEY": WANDB_KEY}, RUN_UMASK)
     assert run.proc.returncode == 0, run.proc.stderr[-5000:]
     return {"out": out, "proc": run.proc, "overrides": overrides, "sockets": run}
 
@@ -325,7 +326,7 @@ def test_local_ray_run_listens_on_loopback_only_and_leaves_no_socket(tmp_path, t
     pytest.importorskip("ray")
     train, val = tiny_data
     args = base_overrides(tiny_chat_model, train, val, tmp_path / "run", **{**RAY_WORKERS, "trainer.total_steps": 1})
-    run = run_watching_sockets(cli_command("hpsft.train_ray", args), tmp_path, RAY_ENV)
+    run = run_watching_sockets(cli_command("hpsft.train_ray", args, preloaded=False), tmp_path, RAY_ENV)
     assert run.proc.returncode == 0, run.proc.stderr[-5000:]
     # Driver, GCS, raylet, workers: a new instance of the run's own (not a cluster found on the machine).
     assert len({pid for _, _, pid in run.seen}) >= 4, run.seen
@@ -340,7 +341,7 @@ def test_local_ray_run_that_fails_leaves_no_socket(tmp_path, tiny_chat_model, ti
     train, val = tiny_data
     args = base_overrides(tiny_chat_model, train, val, tmp_path / "run",
                           **{**RAY_WORKERS, "trainer.resume": tmp_path / "none"})
-    run = run_watching_sockets(cli_command("hpsft.train_ray", args), tmp_path, RAY_ENV)
+    run = run_watching_sockets(cli_command("hpsft.train_ray", args, preloaded=False), tmp_path, RAY_ENV)
     assert run.proc.returncode == 2 and "neither a global_step_<N> folder nor a run" in run.proc.stderr, \
         run.proc.stderr[-5000:]
     assert not not_loopback(run.seen), f"listening beyond 127.0.0.1: {not_loopback(run.seen)}"
@@ -358,7 +359,7 @@ def test_torchrun_run_leaves_no_socket(tmp_path, tiny_chat_model, tiny_data, out
         Path(train).write_text(json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n")
     args = base_overrides(tiny_chat_model, train, val, tmp_path / "run", **{"trainer.total_steps": 1,
                                                                             "trainer.export_hf": "false"})
-    run = run_watching_sockets(cli_command("hpsft.train", args, nproc=2), tmp_path)
+    run = run_watching_sockets(cli_command("hpsft.train", args, nproc=2, preloaded=False), tmp_path)
     assert run.proc.returncode == (0 if outcome == "finished" else 1), run.proc.stderr[-5000:]
     assert len({pid for _, _, pid in run.seen}) >= 2, run.seen  # the launcher and the ranks: the watch saw them
     assert {pid for _, _, pid in not_loopback(run.seen)} <= {run.pid}, run.seen
