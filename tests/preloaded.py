@@ -75,6 +75,7 @@ def receive_message(conn: socket.socket) -> dict:
 
 def run_client(args: list[str]) -> None:
     """Have the server run `python ARGS` and end as that run ends."""
+    args = after_the_target(args)
     path = os.environ.get(SOCKET_ENV)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -106,6 +107,15 @@ def run_client(args: list[str]) -> None:
             signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
     sys.exit(os.waitstatus_to_exitcode(status))
+
+
+def after_the_target(args: list[str]) -> list[str]:
+    """The deepspeed launcher runs `python -u SCRIPT --local_rank=N ARGS`: with this file as
+    SCRIPT, its --local_rank comes first; put it where the CLI's script or module sees it."""
+    ranks = [arg for arg in args if arg.startswith(("--local_rank=", "--local-rank="))]
+    rest = [arg for arg in args if arg not in ranks]
+    cut = 2 if rest[:1] == ["-m"] else 1
+    return rest[:cut] + ranks + rest[cut:] if ranks and args[0] in ranks else args
 
 
 # -- server --------------------------------------------------------------------------------

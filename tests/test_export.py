@@ -114,8 +114,9 @@ def test_zero3_builds_the_default_model_partitioned_and_exports_it_streamed(tmp_
 
     out = tmp_path / "zero3"
     out.mkdir()
+    # Cold starts: each rank's memory as a user's process has it (not forked from a preloaded one).
     proc = run_cli(None, [str(out), f"model.path={FULL_MODEL}", "engine.zero_stage=3"], nproc=2,
-                   script=str(REPO / "tests" / "dist_scripts" / "zero3_load_and_export.py"))
+                   script=str(REPO / "tests" / "dist_scripts" / "zero3_load_and_export.py"), preloaded=False)
     assert_ok(proc)
     model_mib = sum(t.numel() * t.element_size() for t in folder_weights(FULL_MODEL).values()) / 2**20
     print(f"\nfp32 model: {model_mib:.0f} MiB")

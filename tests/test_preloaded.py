@@ -122,3 +122,13 @@ def test_cli_commands_start_through_the_client_unless_asked_not_to():
     assert cli_command("hpsft.train", ["a=1"]) == [sys.executable, client, "-m", "hpsft.train", "a=1"]
     assert cli_command("hpsft.train", ["a=1"], nproc=2)[-4:] == [client, "-m", "hpsft.train", "a=1"]
     assert cli_command("hpsft.train", ["a=1"], preloaded=False) == [sys.executable, "-m", "hpsft.train", "a=1"]
+
+
+def test_the_deepspeed_launchers_local_rank_reaches_the_script_as_its_first_argument(tmp_path):
+    """The deepspeed launcher runs `python -u SCRIPT --local_rank=N ARGS`; with the client as
+    SCRIPT the run's script must still see `--local_rank=N` first, as under a cold python."""
+    script = tmp_path / "argv.py"
+    script.write_text("import sys; print(sys.argv[1:])")
+    proc = subprocess.run([*preloaded_python(), "--local_rank=1", str(script), "a=1"], env=train_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "['--local_rank=1', 'a=1']\n", proc.stdout + proc.stderr
