@@ -23,9 +23,10 @@ cancel an element that rounding can zero it or flip its sign, which Adam's sign-
 turns into whole-lr weight differences (7e-4 to 2e-3 relative on the head weight after the
 step, measured).
 
-Planted once each (one process; the figure of the check that failed):
-- grad_scale x the micro-batch count (the engine's loss_grad_scale): the op's upstream check
-  raised in backward ("its gradients were made for grad_scale"), the run failed;
+Planted once each (one process unless said; the figure of the check that failed):
+- grad_scale x the micro-batch count (the engine's loss_grad_scale), and (2 ranks) grad_scale
+  without the dp factor: the op's upstream check raised in backward ("its gradients were made
+  for grad_scale"), the run failed;
 - the sum overwriting instead of adding (the first chunk's GEMM with beta=0 into the engine's
   buffer): head grad 0.87 relative off with 4 micro-batches (tied: 0.87, the earlier
   micro-batches' embedding gradients wiped too), weights 5.5e-2;
