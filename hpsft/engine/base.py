@@ -42,13 +42,17 @@ class TrainEngine(ABC):
         """Optimizer steps taken, a resumed checkpoint's included."""
 
     @abstractmethod
-    def train_batch(self, micro_batches: list[dict], loss_fn: Callable, sequence_nll: bool = False) -> dict:
+    def train_batch(self, micro_batches: list[dict], loss_fn: Callable, sequence_nll: bool = False,
+                    loss_weight: float | None = None) -> dict:
         """Forward/backward every micro-batch, then one optimizer step.
 
         `loss_fn(outputs) -> loss` maps a micro-batch's module outputs to the loss whose
         gradient, *summed* over micro-batches and data-parallel ranks, is the step's
         gradient. `sequence_nll`: the outputs also hold each sequence's NLL sum and loss tokens
-        (PackedCausalLM.forward's). Returns {"outputs": [...], "grad_norm": float, "lr": float}.
+        (PackedCausalLM.forward's). `loss_weight`: when loss_fn(outputs) is outputs["loss"] x
+        loss_weight (a number), the engine may have the loss put the LM head's weight gradient
+        straight into its own storage; None: every gradient goes through autograd.
+        Returns {"outputs": [...], "grad_norm": float, "lr": float}.
         """
 
     @abstractmethod

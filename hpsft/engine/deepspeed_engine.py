@@ -15,6 +15,12 @@ group; the data-parallel size of sampling (world / SP) is the trainer's.
 With tensor parallelism (DeepSpeed's AutoTP, docs/tensor_parallel.md) DeepSpeed shards each
 decoder layer's linear weights over the TP group at initialize; its data-parallel group is then
 world / TP (the ranks holding the same shard), over which it averages gradients: `dp_size`.
+
+Under bf16 ZeRO-1 DeepSpeed's BF16_Optimizer keeps an fp32 gradient of every parameter, to
+which each backward adds the bf16 `param.grad`. There the fused loss sums d(lm_head.weight) in
+fp32 straight into that gradient during its forward (head_gradient_into: no bf16 (V, H)
+gradient, and no bf16 rounding of it), when the caller says how the loss scales the module's
+(`loss_weight`); docs/ops.md, "Where d(weight) goes, and when".
 """
 
 import contextlib
@@ -27,6 +33,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from torch import nn
 
 from hpsft.engine.base import TrainEngine
@@ -177,13 +184,45 @@ class DeepSpeedEngine(TrainEngine):
     def to_device(self, micro_batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in micro_batch.items()}
 
-    def train_batch(self, micro_batches, loss_fn, sequence_nll: bool = False) -> dict:
+    def head_gradient_into(self) -> tuple[torch.Tensor, int, int] | None:
+        """BF16_Optimizer's fp32 gradient of the LM-head weight as a (V, H) tensor, with its
+        (group, index) there, when the fused loss can sum d(weight) into it exactly; else None.
+
+        Exactly: DeepSpeed keeps that gradient whole on every rank (ZeRO-1 partitions the
+        optimizer state, not the gradients), every backward's epilogue adds the bf16
+        `param.grad` into it (a tied embedding's own gradient, after the loss's forward-time
+        sum), the boundary's all-reduce averages it with the rest over the dp group, and
+        step() clips, applies and zeroes it (also when it skips a non-finite step). Other
+        engines keep `param.grad` as the only gradient until their hooks take it, and under
+        tensor or sequence parallelism (not checked for this) the gradient goes through
+        autograd as before."""
+        optimizer = self.engine.optimizer
+        if (not isinstance(optimizer, BF16_Optimizer) or optimizer.grad_acc_dtype != torch.float32
+                or self.tp_size > 1 or self.config.sequence_parallel_size > 1):
+            return None
+        weight = self.engine.module.head_weight
+        for group_index, group in enumerate(optimizer.bf16_groups):
+            for index, param in enumerate(group):
+                if param is weight:
+                    return optimizer.fp32_groups_gradients[group_index][index].view(weight.shape), group_index, index
+        return None  # a frozen head (LoRA): no gradient to sum
+
+    def train_batch(self, micro_batches, loss_fn, sequence_nll: bool = False, loss_weight: float | None = None) -> dict:
         self.engine.train()
         lr = self.engine.get_lr()[0]  # the rate this step uses (the scheduler moves in step())
+        head_gradient = self.head_gradient_into() if loss_weight is not None else None
+        head = {}
+        if head_gradient is not None:
+            # The upstream gradient the loss will receive: backward below multiplies the loss by
+            # dp_size and DeepSpeed then averages over dp (BF16_Optimizer has no loss scaling,
+            # and scale_wrt_gas=False: no division by accumulation steps).
+            head = {"head_grad_into": head_gradient[0], "loss_grad_scale": loss_weight * self.dp_size}
         outputs = []
         for i, micro_batch in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            out = self.engine(**self.to_device(micro_batch), sequence_nll=sequence_nll)
+            out = self.engine(**self.to_device(micro_batch), sequence_nll=sequence_nll, **head)
+            if head_gradient is not None:
+                self.mark_head_gradient(*head_gradient)
             loss = loss_fn(out)
             self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
             outputs.append(detached(out))
@@ -200,6 +239,13 @@ class DeepSpeedEngine(TrainEngine):
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": lr,
         }
+
+    def mark_head_gradient(self, gradient: torch.Tensor, group_index: int, index: int) -> None:
+        """Tell BF16_Optimizer that the head weight's fp32 gradient holds a gradient, as its own
+        backward epilogue does for a `param.grad` it adds (an untied head now has none): else
+        its gradient norm would leave it out."""
+        self.engine.optimizer.fp32_groups_has_gradients[group_index][index] = True
+        self.engine.module.head_weight._hp_grad = gradient.view(-1)
 
     def clip_unsharded_grads(self) -> float:
         """Without ZeRO the grads are whole (already all-reduced) on every rank: one pass takes

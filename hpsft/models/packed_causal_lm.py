@@ -114,18 +114,26 @@ class PackedCausalLM(nn.Module):
         side = self.output_side
         return side.router_aux_loss(router_logits, side.num_experts, side.experts_per_token, None)
 
-    def token_losses(self, hidden, labels, reduction):
+    @property
+    def head_weight(self) -> nn.Parameter:
+        """The LM head's weight (with tied embeddings, the embedding's)."""
+        return self.lm.get_output_embeddings().weight
+
+    def token_losses(self, hidden, labels, reduction, loss_grad_scale=None, head_grad_into=None):
         """The fused loss of each position against its label (shifted_labels: IGNORE_INDEX
-        where a position predicts no supervised token)."""
+        where a position predicts no supervised token). loss_grad_scale and head_grad_into:
+        the op's grad_scale and grad_weight_into (forward)."""
         head = self.lm.get_output_embeddings()
         return varlen_linear_cross_entropy(
             hidden, head.weight, getattr(head, "bias", None), labels=labels, ignore_index=IGNORE_INDEX,
             reduction=reduction, backend=self.loss_backend, z_loss_weight=self.z_loss_weight,
             label_smoothing=self.label_smoothing, softcap=self.output_side.softcap, return_logprobs=True,
+            grad_scale=loss_grad_scale, grad_weight_into=head_grad_into,
         )
 
     def forward(self, input_ids, position_ids, offsets, loss_mask=None, labels=None, slice_start: int = 0,
-                per_sequence: bool = False, sequence_nll: bool = False, max_length: int | None = None) -> dict:
+                per_sequence: bool = False, sequence_nll: bool = False, max_length: int | None = None,
+                loss_grad_scale: float | None = None, head_grad_into: torch.Tensor | None = None) -> dict:
         """The row's loss terms, as sums over its loss tokens:
           loss            the training objective: cross-entropy (with z-loss and label
                           smoothing when set) + router_aux_loss_coef * router_aux_loss * n_tokens
@@ -143,11 +151,15 @@ class PackedCausalLM(nn.Module):
         with its labels and slice_start, its offsets being the whole row's: every term is then
         this slice's share (per sequence too), and the shares add up over the SP group.
         max_length: the longest sequence of the offsets, as packed_row/split_row give it.
+        loss_grad_scale: the gradient backward will bring to `loss` (the engine's and the caller's
+        scaling); with it, head_grad_into: an fp32 tensor of the head weight's shape (the
+        engine's own gradient of it) into which the loss sums d(weight), already scaled, in
+        this forward; autograd then gets no gradient of the head weight from the loss.
         """
         if labels is None:
             labels = shifted_labels(input_ids[0], loss_mask, offsets)
         hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets, max_length)
-        out = self.token_losses(hidden, labels, "none" if per_sequence else "sum")
+        out = self.token_losses(hidden, labels, "none" if per_sequence else "sum", loss_grad_scale, head_grad_into)
         if per_sequence:
             nll, n_tokens = per_sequence_sums(out.logprobs, labels, offsets, slice_start)
             return {"nll": nll, "n_tokens": n_tokens}

@@ -121,6 +121,12 @@ class TrainingWorker:
         """Back to the default loss function."""
         self.loss_fn = token_mean_loss
 
+    def loss_weight(self, global_loss_tokens: int) -> float | None:
+        """What the loss function multiplies the module's loss by: known for token_mean_loss
+        (the engine may then sum the LM head's gradient into its own fp32 gradient); None for
+        any other (set_loss_fn's, e.g. the non-finite-gradient test hook's)."""
+        return 1 / max(global_loss_tokens, 1) if self.loss_fn is token_mean_loss else None
+
     def micro_batches(self, batch) -> tuple[list, list[list[int]]]:
         """This rank's micro-batches (packed rows, or this SP rank's slices of them) and the
         sample positions in each."""
@@ -150,7 +156,8 @@ class TrainingWorker:
         with self.profiler.annotate_step() if self.profiler else contextlib.nullcontext():
             # with several training sources, per-sequence NLLs for the per-source losses
             result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens),
-                                             sequence_nll=self.n_sources > 1)
+                                             sequence_nll=self.n_sources > 1,
+                                             loss_weight=self.loss_weight(global_loss_tokens))
         seconds = time.perf_counter() - start
         # An SP rank does 1/SP of its group's work (attention included: its share of the heads),
         # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out).
