@@ -1,6 +1,7 @@
 """Shared fixtures: the real (layer-cut) SmolLM2 model, cut-down real chat data, a runner
-for the real CLI in fresh processes (one process, or torchrun with N ranks), and the
-comparison of two runs step by step (loss and unclipped gradient norm).
+for the real CLI in fresh processes (one process, or torchrun with N ranks; each process
+started preloaded: tests/preloaded.py), and the comparison of two runs step by step (loss
+and unclipped gradient norm).
 
 `@pytest.mark.fast` marks each subsystem's cheapest strong test: `make test-fast` runs them
 (docs/testing.md)."""
