@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.preloaded import SOCKET_ENV as PRELOADED_SOCKET_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 TEST_MODEL = REPO / ".cache" / "models" / "smollm2-135m-2l"
 FULL_MODEL = REPO / ".cache" / "models" / "smollm2-135m"
@@ -273,7 +275,6 @@ def train_env() -> dict:
 
 
 PRELOADED = REPO / "tests" / "preloaded.py"
-PRELOADED_SOCKET_ENV = "HPSFT_TEST_PRELOADED_SOCKET"
 preloaded_server: list = []  # [socket path, server process] once started
 
 

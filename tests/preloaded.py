@@ -84,10 +84,10 @@ def run_client(args: list[str]) -> None:
         if not path or (args[0].startswith("-") and args[0] != "-m"):  # -c, -u...: python's own
             raise OSError("not for the server")
         conn.connect(path)
-        # The fds travel with the first byte of the request (SCM_RIGHTS), the rest after it.
         umask = os.umask(0)
         os.umask(umask)
         request = {"args": args, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}
+        # The fds travel with the first bytes of the request (SCM_RIGHTS).
         send_message(conn, request, fds=(0, 1, 2))
         run_pid = receive_message(conn)["pid"]
     except (OSError, EOFError):
@@ -95,14 +95,10 @@ def run_client(args: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, *args])  # cold start: the same run
     for number in FORWARDED_SIGNALS:
         signal.signal(number, lambda received, _frame: os.kill(run_pid, received))
-    while True:
-        try:
-            status = receive_message(conn)["status"]
-            break
-        except InterruptedError:
-            continue
-        except EOFError:  # the server died under the run: nothing to report
-            sys.exit(1)
+    try:  # a forwarded signal does not interrupt this wait (PEP 475: recv resumes)
+        status = receive_message(conn)["status"]
+    except EOFError:  # the server died under the run: nothing to report
+        sys.exit(1)
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
         if number not in (signal.SIGKILL, signal.SIGSTOP):
@@ -223,15 +219,13 @@ def start_run(request: dict, fds: list[int]) -> None:
         else:
             print(stop.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt as error:
-        trimmed = traceback_of_run(error.__traceback__)
-        sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
     except BaseException as error:  # what the interpreter does with an uncaught exception
         trimmed = traceback_of_run(error.__traceback__)
         sys.excepthook(type(error), error.with_traceback(trimmed), trimmed)
         code = 1
+        if isinstance(error, KeyboardInterrupt):  # python then ends by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
     # The interpreter's own ending, without unwinding into the server's loop: join the
     # non-daemon threads, run the atexit handlers, flush.
     threading._shutdown()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, cli_command, preloaded_python, train_env
+from tests.preloaded import SOCKET_ENV
 
 pytestmark = pytest.mark.skipif(os.environ.get("HPSFT_TEST_PRELOADED") == "0",
                                 reason="HPSFT_TEST_PRELOADED=0: every run starts cold")
@@ -108,7 +109,7 @@ def test_a_client_killed_outright_takes_its_run_with_it(tmp_path):
 def test_without_a_server_the_client_is_a_cold_python(tmp_path):
     """No socket in the environment: the client execs python itself (same pid, nothing
     preloaded)."""
-    env = {key: value for key, value in train_env().items() if key != "HPSFT_TEST_PRELOADED_SOCKET"}
+    env = {key: value for key, value in train_env().items() if key != SOCKET_ENV}
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     cold = subprocess.run([*preloaded_python(), str(script), "exit", str(tmp_path / "cold_pid"), "3"], cwd=tmp_path,
