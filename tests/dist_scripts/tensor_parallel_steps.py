@@ -5,17 +5,20 @@ per-step losses and unclipped gradient norms and its final weights, gathered who
     torchrun --nproc_per_node N tests/dist_scripts/tensor_parallel_steps.py SPEC_PT OUT_PT
 
 SPEC_PT holds {"tp": TP, "lr": float, "sequences": [{input_ids, loss_mask}], "steps": [[row, ...],
-...] (a row: the sequence indices packed into it), "runs": [{"name", "model": path, "zero_stage"}]}.
-With TP ranks per group there are N/TP data-parallel ranks: dp rank d trains rows d, d+N/TP,
-... of a step, the same on every TP rank of its group (what TrainingWorker does after planning
-the rows). OUT_PT gets {name: {"losses": [...], "grad_norms": [...], "weights": {name: tensor}}}.
-DeepSpeed builds its TP groups once per process: every run here has the same TP size.
+...] (a row: the sequence indices packed into it), "runs": [{"name", "model": path, "zero_stage",
+optionally "dtype": "bfloat16"}]}. With TP ranks per group there are N/TP data-parallel ranks:
+dp rank d trains rows d, d+N/TP, ... of a step, the same on every TP rank of its group (what
+TrainingWorker does after planning the rows). OUT_PT gets {name: {"losses": [...], "grad_norms":
+[...], "weights": {name: tensor}}}, and for a bf16 run also "weight_dtypes" and
+"accumulation_errors" (one a step, see fp32_accumulation_check). DeepSpeed builds its TP groups
+once per process: every run here has the same TP size.
 """
 
 import sys
 
 import torch
 import torch.distributed as dist
+from deepspeed.utils import safe_get_full_grad
 
 from hpsft.utils import distributed
 from hpsft.config import load_config
@@ -26,15 +29,51 @@ from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.workers.training_worker import token_mean_loss
 
 
-def run(spec: dict, model: str, zero_stage: int, samples: list[dict]) -> dict:
-    tp = spec["tp"]
-    config = load_config(None, [f"model.path={model}", f"engine.zero_stage={zero_stage}",
-                                f"engine.tensor_parallel_size={tp}", f"optim.lr={spec['lr']}",
+def fp32_accumulation_check(engine) -> list[float]:
+    """Under bf16: before each optimizer step, the relative error (all parameters together, the
+    largest over the ranks) of the gradient DeepSpeed holds (fp32, accumulated over the
+    micro-batches, reduced over the DP group) against the fp64 sum of the bf16 gradients
+    autograd gave each micro-batch on the DP ranks holding the same TP shard, over DP (DeepSpeed
+    averages over its DP group). The list it returns fills as steps are taken."""
+    params = dict(engine.engine.module.named_parameters())
+    sums = {name: torch.zeros(p.shape, dtype=torch.float64) for name, p in params.items()}
+
+    def add_to(total):
+        def hook(grad):
+            total.add_(grad.double())  # a bf16 micro-batch gradient, before DeepSpeed takes it
+        return hook
+
+    for name, p in params.items():
+        p.register_hook(add_to(sums[name]))
+    errors, take_step, dp_group = [], engine.engine.step, engine.engine.data_parallel_group
+
+    def check_then_step():
+        diff = norm = torch.zeros((), dtype=torch.float64)
+        for name, p in params.items():
+            dist.all_reduce(sums[name], group=dp_group)  # the same shard's pieces on every DP rank
+            reference = sums[name] / dist.get_world_size(dp_group)
+            diff = diff + (safe_get_full_grad(p).double() - reference).square().sum()
+            norm = norm + reference.square().sum()
+            sums[name].zero_()
+        error = (diff / norm).sqrt()
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+        errors.append(float(error))
+        take_step()
+
+    engine.engine.step = check_then_step  # this engine instance only
+    return errors
+
+
+def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
+    tp, dtype = spec["tp"], run_spec.get("dtype", "float32")
+    config = load_config(None, [f"model.path={run_spec['model']}", f"engine.zero_stage={run_spec['zero_stage']}",
+                                f"engine.tensor_parallel_size={tp}", f"engine.dtype={dtype}", f"optim.lr={spec['lr']}",
                                 "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]))
     lm = load_causal_lm(config.model.path)
     check_tensor_parallel(lm.config, tp)
     engine.initialize(PackedCausalLM(lm))
+    accumulation_errors = fp32_accumulation_check(engine) if dtype == "bfloat16" else None
     place = distributed.mesh(tp_size=tp)
     losses, grad_norms = [], []
     for rows in spec["steps"]:
@@ -47,7 +86,11 @@ def run(spec: dict, model: str, zero_stage: int, samples: list[dict]) -> dict:
         losses.append(float(nll) / total)
         grad_norms.append(result["grad_norm"])
     weights = dict(engine.gathered_tensors(weight_names(lm)))
-    return {"losses": losses, "grad_norms": grad_norms, "weights": weights}
+    result = {"losses": losses, "grad_norms": grad_norms, "weights": weights}
+    if accumulation_errors is not None:
+        result |= {"accumulation_errors": accumulation_errors,
+                   "weight_dtypes": sorted({str(p.dtype) for p in engine.engine.module.parameters()})}
+    return result
 
 
 def main() -> None:
@@ -55,7 +98,7 @@ def main() -> None:
     distributed.init_distributed("gloo")
     spec = torch.load(spec_pt)
     samples = [{**s, "index": i} for i, s in enumerate(spec["sequences"])]
-    results = {r["name"]: run(spec, r["model"], r["zero_stage"], samples) for r in spec["runs"]}
+    results = {r["name"]: run(spec, r, samples) for r in spec["runs"]}
     if dist.get_rank() == 0:
         torch.save(results, out_pt)
 
