@@ -161,11 +161,16 @@ def rel(a: float, b: float) -> float:
 @pytest.mark.slow
 def test_tp2_trains_as_one_process_under_zero1_and_zero2(tmp_path):
     """2 ranks, DP=1 x TP=2 (Llama under ZeRO-1 and ZeRO-2, with its LM head tied to the
-    embedding under ZeRO-1, Qwen2 under ZeRO-1): three steps of losses and unclipped gradient
-    norms, and the final weights gathered whole, equal the independent one-process reference.
+    embedding under ZeRO-1; Qwen2, Mistral, Gemma-2 and Mixtral under ZeRO-1, FAMILIES): three
+    steps of losses and unclipped gradient norms, and the final weights gathered whole, equal
+    the independent one-process reference.
     Planted once: the engine's dp_size left at the world size (DeepSpeed averages over world/TP
     = 1 rank, so the gradients come out 2x): grad norm 2.0x at every step, losses still equal
-    to 1e-7 (clipping binds and Adam is scale invariant), this test failed on the norms."""
+    to 1e-7 (clipping binds and Adam is scale invariant), this test failed on the norms.
+    Planted once each in hpsft's attention (hpsft/models/varlen_attention.py): the sliding
+    window dropped: step-1 loss 3.5e-4 (Mistral), 8.2e-3 (Gemma-2), 1.4e-3 (Mixtral) off,
+    grad norms 3.0e-2, 6.9e-2, 1.1e-2, failed; Gemma-2's attention soft-cap dropped: its step-1
+    loss 1.7e-3 and grad norm 9.4e-3 off (the other families unchanged), failed."""
     models = {"llama": tiny_llama(tmp_path / "llama"), "qwen2": tiny_qwen2(tmp_path / "qwen2"),
               "tied llama": tiny_llama(tmp_path / "tied", tied=True),  # SmolLM2's LM head is its embedding
               **{family: tiny_family(tmp_path / family, family) for family in FAMILIES}}
@@ -280,7 +285,13 @@ def test_dp2_x_tp2_trains_as_one_process_and_bf16_accumulates_and_reduces_in_fp3
     batch (fp32). The same steps in bf16: before each optimizer step the gradient DeepSpeed holds
     equals the fp64 sum of the bf16 micro-batch gradients over the micro-batches and the two DP
     ranks of each TP shard within 1e-6 (test_precision's tolerance: fp32 accumulation and
-    reduction), and the first step's loss and norm are within bf16 rounding of fp32's."""
+    reduction), and the first step's loss and norm are within bf16 rounding of fp32's.
+    Planted once: the mesh's DP rank taken from the world rank (rank % DP: the two TP ranks of a
+    group dealt different rows): the run died at its first forward in DeepSpeed's "Data
+    inconsistency within the TP group" check, failed. Planted once: bf16 reduction (the engine's communication_data_type "bf16"): accumulation
+    errors 1.7e-3, 1.8e-3, 1.7e-3 against 1.8e-9 at most, failed (in the TP=2 test it moved the
+    fp32 runs' grad norms too, by up to 4.1e-3 under ZeRO-2: DeepSpeed casts the gradients to
+    that dtype for its reduction, even over one DP rank)."""
     model = tiny_llama(tmp_path / "llama")
     runs = [{"name": "fp32", "model": model, "zero_stage": 1},
             {"name": "bf16", "model": model, "zero_stage": 1, "dtype": "bfloat16"}]
