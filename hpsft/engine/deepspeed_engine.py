@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.utils import groups
 from torch import nn
 
 from hpsft.engine.base import TrainEngine
 from hpsft.engine.grad_norm import global_grad_norm
 from hpsft.engine.optimizer import adamw, lr_scheduler, param_groups
+from hpsft.models.tensor_parallel import sum_partial_gradients_over_tp
 from hpsft.engine.universal import (MODEL_STATES, load_through_universal, load_universal_into_zero,
                                     load_universal_without_zero, to_universal, unsharded_to_universal)
 
@@ -166,6 +168,8 @@ class DeepSpeedEngine(TrainEngine):
                   flush=True)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=config)
+        if self.tp_size > 1:
+            sum_partial_gradients_over_tp(self.engine.module, groups.get_tensor_model_parallel_group())
         if self.stage == 0 and self.dp_size == 1:
             # Without ZeRO DeepSpeed all-reduces at every step's last backward even alone: it
             # flattens all gradients into one new buffer and copies them back (1.2 s a step
