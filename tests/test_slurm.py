@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from hpsft.utils.distributed import free_port
-from tests.conftest import (REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, read_metrics, run_cli,
-                            train_env, train_steps)
+from tests.conftest import (REPO, RAY_ENV, assert_ok, assert_same_steps, base_overrides, chat_parquet,
+                            preloaded_ray_workers, read_metrics, run_cli, train_env, train_steps)
 from tests.slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
 
 SBATCH_SCRIPT = REPO / "scripts" / "train_slurm.sbatch"
@@ -165,7 +165,7 @@ def test_ray_cluster_inside_an_allocation_runs_the_ray_path(tmp_path, slurm_clus
     # A temp dir of the job's own (short: Ray's socket paths must fit): the default /tmp/ray
     # would keep a ray_current_cluster file that a later plain ray.init() tries to join.
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
-    env.update(RAY_AUTH_MODE="disabled", RAY_PORT=str(free_port()), RAY_TMPDIR=ray_tmp)
+    env.update(RAY_ENV, **preloaded_ray_workers(), RAY_PORT=str(free_port()), RAY_TMPDIR=ray_tmp)
     log = tmp_path / "ray-%j.out"
     overrides = base_overrides(tiny_chat_model, train, val, out, **{
         "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5, "trainer.export_hf": "false"})
