@@ -328,6 +328,19 @@ def preloaded_python() -> list[str]:
     return [sys.executable, str(PRELOADED)]
 
 
+def preloaded_executable() -> str:
+    """preloaded_python() as one executable file, for a script that takes the path of its
+    python (the Slurm templates' HPSFT_PYTHON): sys.executable when runs are cold."""
+    python = preloaded_python()
+    if len(python) == 1:
+        return python[0]
+    wrapper = Path(preloaded_server[0]).with_name("python")
+    if not wrapper.exists():
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.join(python)} "$@"\n')
+        wrapper.chmod(0o755)
+    return str(wrapper)
+
+
 def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str | None = None,
                 launcher: str = "torchrun", preloaded: bool = True) -> list[str]:
     """`python -m module args` (or a script): one plain process, or `nproc` ranks under
