@@ -3,8 +3,10 @@
 CHECKPOINT is a `checkpoints/global_step_N` folder or a run's output_dir (its newest intact
 checkpoint). One process on the CPU, whatever the number of ranks and the ZeRO stage (0-3)
 that wrote it: DeepSpeed's zero_to_fp32 reassembles the fp32 weights from ZeRO's shards, read
-lazily one tensor at a time (without ZeRO its model file holds them whole), and they are written as the end of a run writes hf/ (safetensors
-shards, config, tokenizer with the run's chat template).
+lazily one tensor at a time (without ZeRO its model file holds them whole; with tensor
+parallelism DeepSpeed's universal conversion merges the TP slices first, into a scratch folder
+beside OUT_DIR), and they are written as the end of a run writes hf/ (safetensors shards,
+config, tokenizer with the run's chat template).
 
 A LoRA run's checkpoint holds its adapters only (its settings are in run_fingerprint.json);
 the base weights are read from the model folder, which must be the one it was trained on.
