@@ -249,10 +249,14 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
     one-process run's (counts equal; loss and unclipped grad norm within 1e-5, as TP=2 vs one
     process; measured in the printed line). The run fingerprint records the TP size and a
     resume with another does not count it as another run.
-    Planted once each: (1) the universal merge told every parameter is column-parallel (row
-    slices of o_proj/down_proj concatenated along dim 0: a (32, 64) down_proj becomes (64, 32)):
-    ...; (2) the Adam moments of TP rank 0 only (rank 1's exp_avg/exp_avg_sq slices replaced by
-    rank 0's): ..."""
+    Planted once each (in hpsft's to_universal, on the merged files): (1) gate_proj's
+    column-parallel slices concatenated along dim 1, not 0 (same numel: the one-process load's
+    view_as takes it silently): one process failed at step 2, loss 6.0e-4 and grad norm
+    2.7e-2 off; (2) the Adam moments of TP rank 0 only (its exp_avg/exp_avg_sq slices of every
+    q/k/v/o/gate/up/down_proj for both ranks): step 2 still equal (the moments move the weights
+    from step 2 on), step 3 loss 5.2e-4 and grad norm 2.9e-2 off, both cases failed; (3) the
+    TP size compared on resume (LAYOUT_KEYS empty): refused, "belongs to a different run:
+    engine.tensor_parallel_size: 2 -> 1", failed."""
     checkpoint = cli_runs.tp2 / "checkpoints" / "global_step_1"
     fingerprint = json.loads((checkpoint / "run_fingerprint.json").read_text())
     assert fingerprint["engine.tensor_parallel_size"] == 2
@@ -275,8 +279,10 @@ def test_hpsft_export_of_a_tp2_checkpoint_writes_whole_weights(tmp_path, cli_run
     """`hpsft export` of the TP=2 run's last checkpoint (one process, through DeepSpeed's
     universal conversion): the folder loads into the model class with strict=True and equals
     the TP=2 run's own export at its end (the weights gathered over the TP group) within 1e-6
-    (measured: ...), and the one-process run's export within 1e-4 (measured: ..., AdamW's
-    sign-like first updates, see the engine test). Planted: ..."""
+    (measured: 0), and the one-process run's export within 1e-4 (measured: 4.4e-6, AdamW's
+    sign-like first updates, see the engine test). Planted: gate_proj's column-parallel slices
+    concatenated along dim 1 (as in the resume test): the strict load failed (size mismatch,
+    (32, 64) for (64, 32))."""
     out = tmp_path / "exported"
     proc = run_cli("hpsft.export", [str(cli_runs.tp2 / "checkpoints" / "global_step_3"), str(out)])
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -298,7 +304,9 @@ def test_one_process_checkpoint_resumes_at_tp2_as_the_straight_run(tmp_path, cli
     AdamW state in one file) resumed at TP=2 (2 ranks, DP=1, ZeRO-1): written in DeepSpeed's
     universal layout and split by each TP rank (DeepSpeed's universal load slices every
     parameter by the AutoTP layout of this run's model), steps 2 and 3 equal the one-process
-    run's (counts equal; loss and unclipped grad norm within 1e-5). Planted: ..."""
+    run's (counts equal; loss and unclipped grad norm within 1e-5; measured: loss 0, grad norm
+    5.6e-7). Planted: the AdamW moments left out of the universal files (zeros, in
+    unsharded_to_universal): step 3 loss 9.3e-3 and grad norm 2.3e-2 off, failed."""
     checkpoint = cli_runs.one / "checkpoints" / "global_step_1"
     out = tmp_path / "tp2_from_one"
     proc = run_cli("hpsft.train", cli_runs.overrides(out, **{"trainer.resume": checkpoint,
