@@ -9,6 +9,7 @@ and unclipped gradient norm).
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -274,6 +275,30 @@ def train_env() -> dict:
     return env
 
 
+# Ray's settings for the tests' own instances: no token auth on loopback, no usage stats.
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1"}
+
+
+def ray_env() -> dict:
+    """train_env() for a Ray driver or the nodes of a test's Ray instance (RAY_ENV), its job's
+    workers preloaded (preloaded_ray_workers)."""
+    preloaded = preloaded_ray_workers()  # first: it may start the server train_env() names
+    return {**train_env(), **RAY_ENV, **preloaded}
+
+
+def preloaded_ray_workers() -> dict:
+    """The variables that start a Ray job's workers preloaded: Ray starts a worker as
+    `<py_executable> default_worker.py ARGS`, py_executable from the job's runtime_env, which
+    ray.init reads from RAY_JOB_CONFIG_JSON_ENV_VAR (the variable Ray's job supervisor sets for
+    an entrypoint). So the client stands for python there as under torchrun: a cold worker
+    spent ~11 CPU s importing torch, DeepSpeed and transformers before its first call."""
+    python = preloaded_python()
+    if len(python) == 1:
+        return {}
+    return {PRELOADED_SOCKET_ENV: preloaded_server[0],
+            "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"py_executable": shlex.join(python)}})}
+
+
 PRELOADED = REPO / "tests" / "preloaded.py"
 preloaded_server: list = []  # [socket path, server process] once started
 
@@ -301,6 +326,19 @@ def preloaded_python() -> list[str]:
             time.sleep(0.05)
         preloaded_server.extend([path, server])
     return [sys.executable, str(PRELOADED)]
+
+
+def preloaded_executable() -> str:
+    """preloaded_python() as one executable file, for a script that takes the path of its
+    python (the Slurm templates' HPSFT_PYTHON): sys.executable when runs are cold."""
+    python = preloaded_python()
+    if len(python) == 1:
+        return python[0]
+    wrapper = Path(preloaded_server[0]).with_name("python")
+    if not wrapper.exists():
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.join(python)} "$@"\n')
+        wrapper.chmod(0o755)
+    return str(wrapper)
 
 
 def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str | None = None,

@@ -218,10 +218,14 @@ class DeepSpeedEngine(TrainEngine):
             # dp_size and DeepSpeed then averages over dp (BF16_Optimizer has no loss scaling,
             # and scale_wrt_gas=False: no division by accumulation steps).
             head = {"head_grad_into": head_gradient[0], "loss_grad_scale": loss_weight * self.dp_size}
+        # Every micro-batch's copy is queued before the first forward: from pinned rows
+        # (data/device_feed.py) the host waits for none of them, and micro-batch i+1's input
+        # is on the device before micro-batch i's compute ends (a few bytes a token).
+        on_device = [self.to_device(micro_batch) for micro_batch in micro_batches]
         outputs = []
-        for i, micro_batch in enumerate(micro_batches):
+        for i, micro_batch in enumerate(on_device):
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            out = self.engine(**self.to_device(micro_batch), sequence_nll=sequence_nll, **head)
+            out = self.engine(**micro_batch, sequence_nll=sequence_nll, **head)
             if head_gradient is not None:
                 self.mark_head_gradient(*head_gradient)
             loss = loss_fn(out)

@@ -16,6 +16,7 @@ from hpsft.utils import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.custom_dataset import load_custom_class
+from hpsft.data.device_feed import device_feed, loader_options
 from hpsft.data.preparation import (LocalRunner, Team, TeamRunner, default_num_proc, make_cache_folder,
                                     prepared_store)
 from hpsft.data.rows import TokenizeOptions, chat_template_text
@@ -186,8 +187,11 @@ class SFTTrainer:
 
     def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()
+        # The device this process trains on (under SPMD its engine's: init_distributed set it;
+        # a Ray driver's own, its workers' engines elsewhere).
+        feed = device_feed(distributed.comm_device())
         loader = DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=collate_jagged,
-                            num_workers=self.config.data.num_workers)
+                            **loader_options(feed, self.config.data.num_workers))
         if len(loader) == 0:
             raise UserInputError(
                 f"{len(self.train_dataset)} training sequences make no full batch of "
