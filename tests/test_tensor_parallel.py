@@ -248,7 +248,8 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
     their fp32 master weights and AdamW moments, and steps 2 and 3 equal the straight
     one-process run's (counts equal; loss and unclipped grad norm within 1e-5, as TP=2 vs one
     process; measured in the printed line). The run fingerprint records the TP size and a
-    resume with another does not count it as another run.
+    resume with another does not count it as another run. The DP=2 run's checkpoint resumed at
+    TP=2 (DP=1) is refused by name (not shown exact).
     Planted once each (in hpsft's to_universal, on the merged files): (1) gate_proj's
     column-parallel slices concatenated along dim 1, not 0 (same numel: the one-process load's
     view_as takes it silently): one process failed at step 2, loss 6.0e-4 and grad norm
@@ -256,7 +257,8 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
     q/k/v/o/gate/up/down_proj for both ranks): step 2 still equal (the moments move the weights
     from step 2 on), step 3 loss 5.2e-4 and grad norm 2.9e-2 off, both cases failed; (3) the
     TP size compared on resume (LAYOUT_KEYS empty): refused, "belongs to a different run:
-    engine.tensor_parallel_size: 2 -> 1", failed."""
+    engine.tensor_parallel_size: 2 -> 1", failed; (4) the trainer's refusal removed: the DP=2
+    checkpoint resumed at TP=2 ran to its end (numbers not compared), failed."""
     checkpoint = cli_runs.tp2 / "checkpoints" / "global_step_1"
     fingerprint = json.loads((checkpoint / "run_fingerprint.json").read_text())
     assert fingerprint["engine.tensor_parallel_size"] == 2
@@ -272,6 +274,14 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
     assert rel(read_metrics(out)[-1]["val/loss"], read_metrics(cli_runs.one)[-1]["val/loss"]) < 1e-5
     resumed_fingerprint = json.loads((out / "checkpoints" / "global_step_3" / "run_fingerprint.json").read_text())
     assert resumed_fingerprint["engine.tensor_parallel_size"] == 1
+    if nproc == 2:  # a DP=2 checkpoint at TP=2 (2 ranks: DP=1) is not shown exact: refused by name
+        dp2_checkpoint = out / "checkpoints" / "global_step_2"
+        proc = run_cli("hpsft.train", cli_runs.overrides(tmp_path / "tp2_from_dp2", **{
+            "trainer.resume": dp2_checkpoint, "engine.tensor_parallel_size": 2}), nproc=2)
+        assert proc.returncode != 0 and (
+            f"hpsft: error: {dp2_checkpoint} was written with engine.tensor_parallel_size=1 and 2 data-parallel "
+            "ranks, this run has 2 and 1: a run with tensor parallelism resumes a checkpoint of the same sizes, "
+            "or of one process without it, only") in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
