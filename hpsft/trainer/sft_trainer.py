@@ -258,17 +258,19 @@ class SFTTrainer:
         )
 
     def refuse_tensor_parallel_resume(self, checkpoint: Path) -> None:
-        """Before the model is built: a checkpoint resumes under tensor parallelism only with the
-        TP and DP sizes that wrote it (DeepSpeed wrote one model and optimizer file per TP rank,
-        which each rank loads back as they are; resharding them is not built,
-        docs/tensor_parallel.md)."""
+        """Before the model is built: a run with tensor parallelism resumes a checkpoint of its
+        own TP and DP sizes, or one written by one process without TP (whole weights, which each
+        TP rank slices: tested); other layouts are not shown exact yet. Without TP any checkpoint
+        resumes (the engine merges a TP checkpoint's slices through DeepSpeed's universal
+        checkpoint). docs/tensor_parallel.md"""
         tp = self.config.engine.tensor_parallel_size
         state = CheckpointManager.load_trainer_state(checkpoint)
         written_tp, written_dp = state.get("tp_size", 1), state["dp_size"]
-        if (tp > 1 or written_tp > 1) and (written_tp, written_dp) != (tp, self.dp_size):
+        if tp > 1 and (written_tp, written_dp) not in ((tp, self.dp_size), (1, 1)):
             raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written_tp} and "
-                                 f"{written_dp} data-parallel ranks, this run has {tp} and {self.dp_size}: a "
-                                 "checkpoint with tensor parallelism resumes with the same sizes only")
+                                 f"{written_dp} data-parallel ranks, this run has {tp} and {self.dp_size}: a run "
+                                 "with tensor parallelism resumes a checkpoint of the same sizes, or of one "
+                                 "process without it, only")
 
     def load_checkpoint(self, checkpoint: Path) -> None:
         """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)
