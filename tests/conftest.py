@@ -135,8 +135,9 @@ def pytest_configure(config):
 # last files are short ones (a long file started last would keep one worker busy alone).
 LONGEST_FILES = ("test_ray.py", "test_data_stage.py", "test_spmd_training.py", "test_export.py",
                  "test_tensor_parallel.py", "test_elastic_resume.py", "test_fault_tolerance.py",
-                 "test_precision.py", "test_lora.py", "test_slurm.py", "test_launchers.py",
-                 "test_run_fingerprint.py", "test_checkpoint_dirs.py", "test_no_hangs.py")
+                 "test_precision.py", "test_lora.py", "test_trust.py", "test_slurm.py", "test_launchers.py",
+                 "test_head_gradient.py", "test_sequence_parallel.py", "test_run_fingerprint.py",
+                 "test_checkpoint_dirs.py", "test_no_hangs.py")
 
 
 def file_rank(item) -> int:
