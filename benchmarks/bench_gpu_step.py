@@ -120,6 +120,7 @@ def main() -> None:
 
     from hpsft.utils import distributed
     from hpsft.data.batch import target_mask
+    from hpsft.data.device_feed import device_feed, pinned
     from hpsft.utils.perf import flop_counts, model_flops
 
     distributed.init_distributed()
@@ -131,11 +132,13 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     steps = [[packed_micro_batch(args.tokens, lm.config.vocab_size, generator) for _ in range(args.micro_batches)]
              for _ in range(args.steps + 1)]
+    feed = device_feed(device)
     loss_fn = lambda out: out["loss"] / out["n_tokens"].clamp_min(1)  # noqa: E731 (each micro-batch its own mean)
 
     rows = []
     for index, step in enumerate(steps):
-        micro_batches = [mb for mb, _ in step]
+        # Pinned on CUDA, outside the timed step: as TrainingWorker builds its rows before it times.
+        micro_batches = [pinned(mb, feed) for mb, _ in step]
         lengths = [n for _, doc_lengths in step for n in doc_lengths]
         loss_tokens = sum(int(target_mask(mb["loss_mask"], mb["offsets"]).sum()) for mb in micro_batches)
         sync()

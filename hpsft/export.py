@@ -3,8 +3,10 @@
 CHECKPOINT is a `checkpoints/global_step_N` folder or a run's output_dir (its newest intact
 checkpoint). One process on the CPU, whatever the number of ranks and the ZeRO stage (0-3)
 that wrote it: DeepSpeed's zero_to_fp32 reassembles the fp32 weights from ZeRO's shards, read
-lazily one tensor at a time (without ZeRO its model file holds them whole), and they are written as the end of a run writes hf/ (safetensors
-shards, config, tokenizer with the run's chat template).
+lazily one tensor at a time (without ZeRO its model file holds them whole; with tensor
+parallelism DeepSpeed's universal conversion merges the TP slices first, into a scratch folder
+beside OUT_DIR), and they are written as the end of a run writes hf/ (safetensors shards,
+config, tokenizer with the run's chat template).
 
 A LoRA run's checkpoint holds its adapters only (its settings are in run_fingerprint.json);
 the base weights are read from the model folder, which must be the one it was trained on.
@@ -15,6 +17,8 @@ adapter_model.safetensors, and the tokenizer), for peft.PeftModel.from_pretraine
 
 import argparse
 import sys
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
@@ -66,20 +70,46 @@ def run_config(checkpoint: Path):
     return load_config(file, [])
 
 
-def checkpoint_tensors(checkpoint: Path, expected: set[str]) -> dict:
+class UniversalWeights(Mapping):
+    """The fp32 weights of a DeepSpeed universal checkpoint folder (`zero/<name>/fp32.pt`), each
+    read from its file when asked."""
+
+    def __init__(self, universal: Path):
+        self.zero = universal / "zero"
+        self.names = sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+
+    def __getitem__(self, name: str):
+        import torch
+        from deepspeed.checkpoint.constants import PARAM
+
+        if name not in self.names:
+            raise KeyError(name)
+        return torch.load(self.zero / name / "fp32.pt", map_location="cpu", weights_only=True)[PARAM]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def checkpoint_tensors(checkpoint: Path, expected: set[str], scratch: Path) -> dict:
     """The checkpoint's fp32 tensors, reassembled lazily from its ZeRO shards (each when asked),
-    or without ZeRO the module in its model file (memory-mapped); it must hold exactly `expected`."""
+    or without ZeRO the module in its model file (memory-mapped), or with tensor parallelism
+    from DeepSpeed's universal checkpoint written under `scratch` (the TP slices merged); it
+    must hold exactly `expected`."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from hpsft.engine.universal import MODEL_STATES
+    from hpsft.engine.universal import MODEL_STATES, to_universal
 
-    if list(checkpoint.glob("*mp_rank_01_*")):
-        # zero_to_fp32 would read the first TP rank's shards as if they were the whole weights.
-        raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size > 1 (one file per TP "
-                             "rank): exporting it is not supported yet; a run's own export at its end "
-                             "(trainer.export_hf=true) writes whole weights (docs/tensor_parallel.md)")
-    if list(checkpoint.glob("*optim_states.pt")):
+    if list(checkpoint.glob("mp_rank_01_*")):
+        # AutoTP: one model file per TP rank (zero_to_fp32 would read the first TP rank's slices
+        # as whole weights). DeepSpeed's universal conversion merges each parameter's slices by
+        # the row/column/replicated patterns AutoTP recorded in the checkpoint, onto disk.
+        to_universal(checkpoint, scratch / "universal")
+        lazy = UniversalWeights(scratch / "universal")
+    elif list(checkpoint.glob("*optim_states.pt")):
         lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
     elif (checkpoint / MODEL_STATES).is_file():  # written without ZeRO (one process runs ZeRO-1/2 so)
         # DeepSpeed's file holds pickled objects beside the tensors (docs/checkpoints.md: a
@@ -99,10 +129,10 @@ def checkpoint_tensors(checkpoint: Path, expected: set[str]) -> dict:
     return lazy
 
 
-def checkpoint_weights(checkpoint: Path, lm):
+def checkpoint_weights(checkpoint: Path, lm, scratch: Path):
     """(name, fp32 tensor) of what the Hugging Face folder stores, each reassembled from the
     ZeRO shards when asked; the checkpoint must hold exactly `lm`'s state dict."""
-    lazy = checkpoint_tensors(checkpoint, set(lm.state_dict()))  # tied weights under each name, as saved
+    lazy = checkpoint_tensors(checkpoint, set(lm.state_dict()), scratch)  # tied weights under each name, as saved
     for name in weight_names(lm):
         yield name, lazy[name].contiguous()
 
@@ -120,7 +150,7 @@ def check_trained_base(folder: Path, recorded: dict) -> None:
         )
 
 
-def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool):
+def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch: Path):
     """A LoRA checkpoint's (name, tensor) pairs: the adapters alone, or the base model (read from
     `folder` tensor by tensor) with the adapters merged in."""
     from safetensors import safe_open
@@ -129,7 +159,7 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool):
     from hpsft.models.partitioned import weight_files
 
     names = adapter_names(lm)
-    lazy = checkpoint_tensors(checkpoint, set(names))
+    lazy = checkpoint_tensors(checkpoint, set(names), scratch)
     if adapter_only:
         return {name: lazy[name].contiguous() for name in names}
     files = weight_files(folder, "for a LoRA export (base weights read tensor by tensor)")
@@ -186,21 +216,25 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     tokenizer = load_tokenizer(str(folder), trust_remote_code)
     if chat_template is not None:
         tokenizer.chat_template = chat_template_text(chat_template)
-    if lora_settings is None:
-        # A bar on a terminal: reassembling a large model from its shards takes minutes.
-        weights = progress_bar(True, iterable=checkpoint_weights(checkpoint, lm), total=len(weight_names(lm)),
-                               desc="export", unit="tensor")
-    else:
-        if not adapter_only:
-            check_trained_base(folder, recorded)
-        weights = lora_weights(checkpoint, lm, folder, adapter_only)
-    if adapter_only:
-        write_adapter_folder(lm, weights, str(folder), tokenizer, out)
-        return checkpoint
     generation_config = None
     if (folder / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(folder)
-    write_hf_folder(model_config, generation_config, weights, tokenizer, out, max_shard_mb)
+    # A TP checkpoint's weights are merged into files here first (checkpoint_tensors): as large as
+    # the model, so beside the output rather than in /tmp; gone when the export ends.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.scratch.", dir=out.parent) as scratch:
+        if lora_settings is None:
+            # A bar on a terminal: reassembling a large model from its shards takes minutes.
+            weights = progress_bar(True, iterable=checkpoint_weights(checkpoint, lm, Path(scratch)),
+                                   total=len(weight_names(lm)), desc="export", unit="tensor")
+        else:
+            if not adapter_only:
+                check_trained_base(folder, recorded)
+            weights = lora_weights(checkpoint, lm, folder, adapter_only, Path(scratch))
+        if adapter_only:
+            write_adapter_folder(lm, weights, str(folder), tokenizer, out)
+        else:
+            write_hf_folder(model_config, generation_config, weights, tokenizer, out, max_shard_mb)
     return checkpoint
 
 

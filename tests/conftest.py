@@ -9,6 +9,7 @@ and unclipped gradient norm).
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -134,8 +135,9 @@ def pytest_configure(config):
 # last files are short ones (a long file started last would keep one worker busy alone).
 LONGEST_FILES = ("test_ray.py", "test_data_stage.py", "test_spmd_training.py", "test_export.py",
                  "test_tensor_parallel.py", "test_elastic_resume.py", "test_fault_tolerance.py",
-                 "test_precision.py", "test_lora.py", "test_slurm.py", "test_launchers.py",
-                 "test_run_fingerprint.py", "test_checkpoint_dirs.py", "test_no_hangs.py")
+                 "test_precision.py", "test_lora.py", "test_trust.py", "test_slurm.py", "test_launchers.py",
+                 "test_head_gradient.py", "test_sequence_parallel.py", "test_run_fingerprint.py",
+                 "test_checkpoint_dirs.py", "test_no_hangs.py")
 
 
 def file_rank(item) -> int:
@@ -274,6 +276,30 @@ def train_env() -> dict:
     return env
 
 
+# Ray's settings for the tests' own instances: no token auth on loopback, no usage stats.
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1"}
+
+
+def ray_env() -> dict:
+    """train_env() for a Ray driver or the nodes of a test's Ray instance (RAY_ENV), its job's
+    workers preloaded (preloaded_ray_workers)."""
+    preloaded = preloaded_ray_workers()  # first: it may start the server train_env() names
+    return {**train_env(), **RAY_ENV, **preloaded}
+
+
+def preloaded_ray_workers() -> dict:
+    """The variables that start a Ray job's workers preloaded: Ray starts a worker as
+    `<py_executable> default_worker.py ARGS`, py_executable from the job's runtime_env, which
+    ray.init reads from RAY_JOB_CONFIG_JSON_ENV_VAR (the variable Ray's job supervisor sets for
+    an entrypoint). So the client stands for python there as under torchrun: a cold worker
+    spent ~11 CPU s importing torch, DeepSpeed and transformers before its first call."""
+    python = preloaded_python()
+    if len(python) == 1:
+        return {}
+    return {PRELOADED_SOCKET_ENV: preloaded_server[0],
+            "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"py_executable": shlex.join(python)}})}
+
+
 PRELOADED = REPO / "tests" / "preloaded.py"
 preloaded_server: list = []  # [socket path, server process] once started
 
@@ -303,6 +329,19 @@ def preloaded_python() -> list[str]:
     return [sys.executable, str(PRELOADED)]
 
 
+def preloaded_executable() -> str:
+    """preloaded_python() as one executable file, for a script that takes the path of its
+    python (the Slurm templates' HPSFT_PYTHON): sys.executable when runs are cold."""
+    python = preloaded_python()
+    if len(python) == 1:
+        return python[0]
+    wrapper = Path(preloaded_server[0]).with_name("python")
+    if not wrapper.exists():
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.join(python)} "$@"\n')
+        wrapper.chmod(0o755)
+    return str(wrapper)
+
+
 def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str | None = None,
                 launcher: str = "torchrun", preloaded: bool = True) -> list[str]:
     """`python -m module args` (or a script): one plain process, or `nproc` ranks under
@@ -315,8 +354,9 @@ def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str
     if nproc == 1:
         return [*python, *target, *args]
     if launcher == "torchrun":
-        # Preloaded, torchrun's script is the client and `-m module` (or the script) its arguments.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        # Preloaded, torchrun itself is a forked run (its agent imports torch: ~4 CPU s cold),
+        # and its ranks' script is the client, `-m module` (or the script) that one's arguments.
+        return [*python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 *client, *target, *args]
     if launcher == "deepspeed":
         from hpsft.utils.distributed import free_port

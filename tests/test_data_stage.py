@@ -311,13 +311,16 @@ def test_memory_does_not_grow_with_the_dataset(tmp_path, tiny_chat_model, shareg
     0.987 GB, 17.9 MB more)."""
     rows = [{"messages": c} for c in sharegpt[:2500]]
     peaks, rss, tokens = [], [], []
-    for repeat in (1, 4):
-        train = write_jsonl(rows * repeat, tmp_path / f"sharegpt_x{repeat}.jsonl")
-        cache = tmp_path / f"cache{repeat}"
-        proc = run_prepare([train, str(cache), "1", tiny_chat_model])
+    trains = {repeat: write_jsonl(rows * repeat, tmp_path / f"sharegpt_x{repeat}.jsonl") for repeat in (1, 4)}
+    # Both preparations at once (one core each): each process's own peak is what is compared.
+    preparing = {repeat: run_prepare([train, str(tmp_path / f"cache{repeat}"), "1", tiny_chat_model])
+                 for repeat, train in trains.items()}
+    for repeat, proc in preparing.items():
         output = proc.communicate(timeout=1200)[0]
         assert proc.returncode == 0, output[-3000:]
         peaks.append(int(output.split("peak RSS kB ")[-1].split()[0]) * 1024)
+    for repeat, train in trains.items():
+        cache = tmp_path / f"cache{repeat}"
         out_dir = tmp_path / f"run{repeat}"
         overrides = base_overrides(tiny_chat_model, train, None, out_dir, **{
             "data.cache_dir": str(cache), "data.max_length": 1024, "data.truncation": "right", "data.shard_mb": 1,

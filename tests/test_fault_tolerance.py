@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -136,13 +137,19 @@ def test_first_signal_is_noted_and_a_second_one_kills_at_once():
     assert proc.returncode == -signal.SIGTERM
 
 
-def rank_pid(launcher_pid: int, rank: int) -> int:
-    """The PID of a rank that torchrun started (its child with RANK=<rank>)."""
-    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
-    for pid in map(int, children):
-        if f"\0RANK={rank}\0" in "\0" + Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
-            return pid
-    raise AssertionError(f"no rank {rank} among torchrun's children {children}")
+def rank_pid(run_dir: Path, rank: int) -> int:
+    """The PID of the process torchrun started as rank `rank` of the run writing to `run_dir`
+    (its command line names the folder, its environment RANK=<rank>; preloaded, that is the
+    client, which forwards a signal to its run)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if str(run_dir) in " ".join(process.info["cmdline"] or []) and process.environ().get("RANK") == str(rank):
+                found.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    assert len(found) == 1, f"rank {rank} of {run_dir}: {found}"
+    return found[0]
 
 
 def wait_for_first_metrics(run_dir, proc, timeout_s: float = 400) -> None:
@@ -168,7 +175,7 @@ def test_sigterm_to_one_rank_saves_the_step_reached_by_all_and_the_resume_matche
                                             nproc=2), cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_for_first_metrics(stopped, proc)
-            os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+            os.kill(rank_pid(stopped, 1), signal.SIGTERM)
             proc.wait(timeout=400)
         finally:
             proc.kill()

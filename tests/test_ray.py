@@ -23,15 +23,14 @@ import pytest
 
 from hpsft.config import load_config
 from hpsft.utils.distributed import free_port
-from tests.conftest import (REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff,
-                            run_cli, train_env, train_steps, write_parquet)
+from tests.conftest import (REPO, RAY_ENV, assert_ok, assert_same_steps, base_overrides, chat_parquet, cli_command,
+                            ray_env, read_metrics, rel_diff, run_cli, train_env, train_steps, write_parquet)
 from tests.tracking_files import (assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_offline_env,
                                   wandb_records)
 from tests.test_spmd_training import max_rel_weight_diff, weights
 
 ray = pytest.importorskip("ray")
 
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1"}
 # Two ranks share the two cores of a test machine (and leave room for a restarted group).
 RAY_WORKERS = {"ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5}
 
@@ -47,7 +46,7 @@ def ray_address():
     """A local Ray instance for this module; its actors inherit this process's environment."""
     temp_dir = private_ray_tmpdir()
     with pytest.MonkeyPatch.context() as patch:
-        for key, value in {**train_env(), **RAY_ENV, "RAY_TMPDIR": temp_dir}.items():
+        for key, value in {**ray_env(), "RAY_TMPDIR": temp_dir}.items():
             patch.setenv(key, value)
         # "local": a new instance, even where a `ray start` head (or its stale /tmp/ray/ray_current_cluster) is around
         ray.init(address="local", num_cpus=2, include_dashboard=False)
@@ -81,6 +80,19 @@ def run_driver(config, during_fit=None):
     finally:
         trainer.close()
     return trainer
+
+
+@pytest.mark.skipif(os.environ.get("HPSFT_TEST_PRELOADED") == "0", reason="HPSFT_TEST_PRELOADED=0: cold workers")
+def test_this_modules_ray_workers_start_preloaded(ray_address):
+    """conftest.ray_env: Ray starts a worker through tests/preloaded.py, so a task finds the
+    server's imports done (a cold worker imports only Ray). Catches the suite's Ray workers
+    starting cold again (~11 CPU s each), e.g. a Ray that no longer reads the job config's
+    py_executable."""
+    @ray.remote(num_cpus=0.5)
+    def imported() -> bool:
+        return "deepspeed" in sys.modules
+
+    assert ray.get(imported.remote(), timeout=120)
 
 
 @pytest.mark.slow
@@ -170,9 +182,9 @@ def test_ray_matches_spmd(tmp_path, tiny_chat_model, data, ray_address, mixture,
     spmd, on_ray = spmd_run, tmp_path / "ray"
     tracking = {"trainer.loggers": "[jsonl,wandb]", "trainer.profile_steps": "[2,2]", "trainer.profile_ranks": "[0,1]"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hpsft.train_ray", *base_overrides(
-            tiny_chat_model, train, val, on_ray, **mixture, **RAY_WORKERS, **tracking, **{"ray.address": ray_address})],
-        cwd=REPO, env={**train_env(), **RAY_ENV, **wandb_offline_env(tmp_path)},
+        cli_command("hpsft.train_ray", base_overrides(
+            tiny_chat_model, train, val, on_ray, **mixture, **RAY_WORKERS, **tracking, **{"ray.address": ray_address})),
+        cwd=REPO, env={**ray_env(), **wandb_offline_env(tmp_path)},
         capture_output=True, text=True, timeout=600,
     )
     assert_ok(proc)
@@ -434,7 +446,7 @@ def two_nodes():
 
     temp_dir = private_ray_tmpdir()
     with pytest.MonkeyPatch.context() as patch:
-        for key, value in {**train_env(), **RAY_ENV, "RAY_TMPDIR": temp_dir}.items():
+        for key, value in {**ray_env(), "RAY_TMPDIR": temp_dir}.items():
             patch.setenv(key, value)  # the nodes' processes, and so the workers, inherit them
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
         try:
@@ -451,9 +463,9 @@ def run_ray_cli(model, data, mixture, out, address, env=None, **extra):
     cluster at `address`."""
     train, val = data
     return subprocess.run(
-        [sys.executable, "-m", "hpsft.train_ray",
-         *base_overrides(model, train, val, out, **{**mixture, **TWO_NODES, "ray.address": address, **extra})],
-        cwd=REPO, env={**train_env(), **RAY_ENV, **(env or {})}, capture_output=True, text=True, timeout=900,
+        cli_command("hpsft.train_ray",
+                    base_overrides(model, train, val, out, **{**mixture, **TWO_NODES, "ray.address": address, **extra})),
+        cwd=REPO, env={**ray_env(), **(env or {})}, capture_output=True, text=True, timeout=900,
     )
 
 

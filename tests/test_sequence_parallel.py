@@ -17,7 +17,8 @@ from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_l
 from hpsft.data.sequence_split import real_tokens, split_row
 from hpsft.utils.errors import UserInputError
 from hpsft.models.ulysses_attention import check_heads
-from tests.conftest import REPO, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff, run_cli, train_steps
+from tests.conftest import (REPO, assert_same_steps, base_overrides, chat_parquet, ray_env, read_metrics, rel_diff, run_cli,
+                            train_steps)
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "sequence_parallel_steps.py")
 VOCAB = 512
@@ -262,7 +263,7 @@ def test_an_sp2_checkpoint_resumes_on_ray_with_sp2(tmp_path, sp2_run):
         proc = run_cli("hpsft.train_ray", overrides(on_ray, **{
             "trainer.resume": sp2 / "checkpoints" / "global_step_1", "engine.sequence_parallel_size": 2,
             "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5}),
-            env={"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1", "RAY_TMPDIR": ray_tmp})
+            env={**ray_env(), "RAY_TMPDIR": ray_tmp})
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-6000:]

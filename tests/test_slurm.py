@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from hpsft.utils.distributed import free_port
-from tests.conftest import (REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, read_metrics, run_cli,
-                            train_env, train_steps)
+from tests.conftest import (REPO, RAY_ENV, assert_ok, assert_same_steps, base_overrides, chat_parquet,
+                            preloaded_executable, preloaded_ray_workers, read_metrics, run_cli, train_env, train_steps)
 from tests.slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
 
 SBATCH_SCRIPT = REPO / "scripts" / "train_slurm.sbatch"
@@ -23,11 +23,13 @@ JOB_CONFIG = {"engine.zero_stage": 2, "trainer.total_steps": 4, "trainer.export_
 
 
 def job_env(cluster) -> dict:
-    """The environment a job of `cluster` gets (sbatch exports it): the venv's python, the
-    prebuilt DeepSpeed ops, SLURM_CONF of the private cluster, and no rank variables of a
+    """The environment a job of `cluster` gets (sbatch exports it): the venv's python (started
+    preloaded: its tasks are forked runs of this pytest process's server, tests/preloaded.py),
+    the prebuilt DeepSpeed ops, SLURM_CONF of the private cluster, and no rank variables of a
     launcher this test may run under (a job must derive its own)."""
+    python = preloaded_executable()  # first: it may start the server train_env() names
     env = cluster.env(train_env())
-    env["HPSFT_PYTHON"] = sys.executable
+    env["HPSFT_PYTHON"] = python
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
@@ -165,7 +167,9 @@ def test_ray_cluster_inside_an_allocation_runs_the_ray_path(tmp_path, slurm_clus
     # A temp dir of the job's own (short: Ray's socket paths must fit): the default /tmp/ray
     # would keep a ray_current_cluster file that a later plain ray.init() tries to join.
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
-    env.update(RAY_AUTH_MODE="disabled", RAY_PORT=str(free_port()), RAY_TMPDIR=ray_tmp)
+    # The venv's own python: the template finds the ray CLI beside it (the workers start preloaded).
+    env.update(RAY_ENV, **preloaded_ray_workers(), HPSFT_PYTHON=sys.executable, RAY_PORT=str(free_port()),
+               RAY_TMPDIR=ray_tmp)
     log = tmp_path / "ray-%j.out"
     overrides = base_overrides(tiny_chat_model, train, val, out, **{
         "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5, "trainer.export_hf": "false"})

@@ -90,20 +90,26 @@ def test_dp_and_micro_batch_invariance(tmp_path, tiny_chat_model, one_process_ru
 @pytest.mark.slow
 def test_stop_and_resume_reproduces_the_run(tmp_path, tiny_chat_model, tiny_data):
     """6 steps straight == 3 steps, stop, resume, 3 more (mid-epoch, then across an epoch
-    boundary), with token-budget micro-batches.
+    boundary), with token-budget micro-batches. The straight run loads in-process; the resumed
+    one with a prefetching loader worker, the loader a CUDA run gets (tests/test_device_feed.py):
+    the same batches in the same order, and a resume inside the epoch as exact.
     Planted: the checkpoint loaded without its optimizer state: steps 5 and 6 off by up to 2.9e-2
-    (grad norm) and 4.3e-3 (loss)."""
+    (grad norm) and 4.3e-3 (loss). The data position counted by the batches the loader has
+    fetched (its worker runs 2 ahead) instead of those trained on: the checkpoint at step 3
+    records the epoch's 4th batch as seen, and the resumed step 4 trains on 204 tokens against
+    the straight run's 208."""
     train, val = tiny_data
     common = {"data.train_batch_size": 4, "data.max_tokens_per_micro_batch": 128, "data.max_length": 128,
               "trainer.total_steps": 6,
               "trainer.save_every": 2, "loss.z_loss_weight": 1e-4}
+    prefetching = {"data.num_workers": 1}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert_ok(run_cli("hpsft.train", base_overrides(tiny_chat_model, train, val, straight, **common)))
-    assert_ok(run_cli("hpsft.train", base_overrides(tiny_chat_model, train, val, resumed, **common,
+    assert_ok(run_cli("hpsft.train", base_overrides(tiny_chat_model, train, val, resumed, **common, **prefetching,
                                                     **{"trainer.stop_at_step": 3})))
     assert (resumed / "checkpoints" / "latest").read_text().strip() == "global_step_3"
     assert not (resumed / "hf").exists()
-    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, train, val, resumed, **common))
+    proc = run_cli("hpsft.train", base_overrides(tiny_chat_model, train, val, resumed, **common, **prefetching))
     assert_ok(proc)
     assert "resumed from" in proc.stdout and "global_step_3" in proc.stdout
     a, b = train_steps(straight), train_steps(resumed)

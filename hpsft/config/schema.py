@@ -187,7 +187,7 @@ class DataConfig:
     micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
     max_tokens_per_micro_batch: Optional[int] = None  # token budget; replaces micro_batch_size_per_gpu
     shuffle: bool = True
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes; a CUDA run gets at least 1 (data/device_feed.py)
     cache_dir: str = ".cache/tokenized"
     # Worker processes tokenizing on each rank (hpsft/data/preparation.py); None: the cores this
     # process may use divided among the ranks of its node.

@@ -42,7 +42,8 @@ from hpsft.engine.grad_norm import global_grad_norm
 from hpsft.engine.optimizer import adamw, lr_scheduler, param_groups
 from hpsft.models.tensor_parallel import sum_partial_gradients_over_tp
 from hpsft.engine.universal import (MODEL_STATES, load_through_universal, load_universal_into_zero,
-                                    load_universal_without_zero, to_universal, unsharded_to_universal)
+                                    load_universal_without_zero, to_universal, to_universal_without_zero,
+                                    unsharded_to_universal)
 
 
 def frozen_names(module: nn.Module) -> set[str]:
@@ -221,10 +222,14 @@ class DeepSpeedEngine(TrainEngine):
             # dp_size and DeepSpeed then averages over dp (BF16_Optimizer has no loss scaling,
             # and scale_wrt_gas=False: no division by accumulation steps).
             head = {"head_grad_into": head_gradient[0], "loss_grad_scale": loss_weight * self.dp_size}
+        # Every micro-batch's copy is queued before the first forward: from pinned rows
+        # (data/device_feed.py) the host waits for none of them, and micro-batch i+1's input
+        # is on the device before micro-batch i's compute ends (a few bytes a token).
+        on_device = [self.to_device(micro_batch) for micro_batch in micro_batches]
         outputs = []
-        for i, micro_batch in enumerate(micro_batches):
+        for i, micro_batch in enumerate(on_device):
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            out = self.engine(**self.to_device(micro_batch), sequence_nll=sequence_nll, **head)
+            out = self.engine(**micro_batch, sequence_nll=sequence_nll, **head)
             if head_gradient is not None:
                 self.mark_head_gradient(*head_gradient)
             loss = loss_fn(out)
@@ -267,19 +272,24 @@ class DeepSpeedEngine(TrainEngine):
         return [detached(self.engine(**self.to_device(mb), per_sequence=True)) for mb in micro_batches]
 
     def save_checkpoint(self, root: str, tag: str) -> None:
-        # ds_to_universal requires this key (model-parallel slicing patterns: none here).
+        # ds_to_universal requires this key: without TP no model-parallel slicing patterns; under
+        # AutoTP DeepSpeed writes its own (which parameters are row- or column-parallel, which
+        # replicated), and this key in client_state would overwrite them.
+        client_state = {} if self.tp_size > 1 else {UNIVERSAL_CHECKPOINT_INFO: {}}
         with frozen_parameters_left_out(self.engine.module):
-            self.engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: {}},
-                                        save_latest=False, exclude_frozen_parameters=True)
+            self.engine.save_checkpoint(root, tag=tag, client_state=client_state, save_latest=False,
+                                        exclude_frozen_parameters=True)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
         """Load a checkpoint written with any data-parallel size, with or without ZeRO (below
-        ZeRO-3). ZeRO 1-3 keep one optimizer shard per dp rank; without ZeRO one file holds the
-        whole state. When the layouts differ the checkpoint is first converted to DeepSpeed's
-        universal (per-parameter, dp-independent) form, then loaded from it."""
+        ZeRO-3), and with any tensor-parallel size. ZeRO 1-3 keep one optimizer shard per dp
+        rank; without ZeRO one file holds the whole state; AutoTP one model file per TP rank.
+        When the layouts differ the checkpoint is first converted to DeepSpeed's universal
+        (per-parameter, dp- and tp-independent: the TP slices merged) form, then loaded from it."""
         folder = Path(root) / tag
         # One optimizer file per dp rank (and per TP rank under TP: mp_rank_0<t>); 0 without ZeRO.
         saved_dp_size = len(list(folder.glob("*mp_rank_00_optim_states.pt")))
+        saved_tp_size = len(list(folder.glob("mp_rank_*_model_states.pt"))) or 1  # ZeRO-3: none (no TP with it)
         written_with_zero3 = bool(list(folder.glob("zero_pp_rank_*_model_states.pt")))
         if not (folder / MODEL_STATES).is_file() and not written_with_zero3:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
@@ -294,21 +304,25 @@ class DeepSpeedEngine(TrainEngine):
         without_zero = functools.partial(load_universal_without_zero, self.engine, self.load_native_checkpoint)
         if self.stage == 0 and saved_dp_size:
             load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards and this run none",
-                                   lambda out: to_universal(folder, out), without_zero)
+                                   lambda out: to_universal_without_zero(folder, out), without_zero)
         elif self.stage > 0 and not saved_dp_size:
             names = {param: name for name, param in self.engine.module.named_parameters()}
             trained = [names[param] for group in param_groups(self.engine.module, 0.0) for param in group["params"]]
             load_through_universal(root, tag, f"was written without ZeRO and this run has ZeRO-{self.stage}",
                                    lambda out: unsharded_to_universal(folder, out, trained, self.optim.grad_clip),
                                    into_zero)
-        elif saved_dp_size in (0, self.dp_size):
+        elif saved_dp_size in (0, self.dp_size) and saved_tp_size == self.tp_size:
             self.load_native_checkpoint(root, tag)
         else:
-            load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks",
-                                   lambda out: to_universal(folder, out), into_zero)
+            load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards x {saved_tp_size} TP ranks, this run "
+                                   f"{self.dp_size} x {self.tp_size}", lambda out: to_universal(folder, out), into_zero)
 
-    def load_native_checkpoint(self, root: str, tag: str, load_optimizer_states: bool = True) -> None:
-        path, _ = self.engine.load_checkpoint(root, tag=tag, custom_load_fn=load_trained_state,
+    def load_native_checkpoint(self, root: str, tag: str, load_optimizer_states: bool = True,
+                               load_module: bool = True) -> None:
+        """DeepSpeed's own load; without `load_module` the module's weights are left as they are
+        (the caller sets them)."""
+        load_module_state = load_trained_state if load_module else lambda src, dst: None
+        path, _ = self.engine.load_checkpoint(root, tag=tag, custom_load_fn=load_module_state,
                                               load_optimizer_states=load_optimizer_states)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")

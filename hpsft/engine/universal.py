@@ -18,7 +18,8 @@ from deepspeed.checkpoint.constants import CLIP_GRAD, DS_VERSION, PARAM, PARAM_G
 UNIVERSAL_SUFFIX = ".universal"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module file below ZeRO-3 (ZeRO-3 has one per rank)
 
-# A DeepSpeed checkpoint load: (root, tag, load_optimizer_states) (DeepSpeedEngine.load_native_checkpoint).
+# A DeepSpeed checkpoint load: (root, tag, load_optimizer_states, load_module)
+# (DeepSpeedEngine.load_native_checkpoint).
 NativeLoad = Callable[..., None]
 
 
@@ -34,6 +35,22 @@ def to_universal(checkpoint: Path, out: Path) -> None:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal(args)
     (out.parent / "latest_universal").unlink()
+
+
+def to_universal_without_zero(checkpoint: Path, out: Path) -> None:
+    """to_universal for a run without ZeRO (load_universal_without_zero). A TP checkpoint's
+    universal folder keeps one model file per TP rank; DeepSpeed's load outside its universal
+    path (which needs a ZeRO optimizer) would merge them Megatron-style, by names AutoTP models
+    do not have. That load takes only the LR scheduler and step counters from it, the same in
+    every TP rank's file: the first one is kept, as the file of a world without TP."""
+    to_universal(checkpoint, out)
+    first, *others = sorted(out.glob("mp_rank_*_model_states.pt"))
+    if others:
+        state = torch.load(first, map_location="cpu", weights_only=False)
+        state["mp_world_size"] = 1
+        torch.save(state, first)
+        for other in others:
+            other.unlink()
 
 
 def unsharded_to_universal(checkpoint: Path, out: Path, names: list[str], clip_grad: float) -> None:
@@ -116,9 +133,11 @@ def load_universal_into_zero(ds_engine, load_native: NativeLoad, root: str, tag:
 def load_universal_without_zero(ds_engine, load_native: NativeLoad, root: str, tag: str) -> None:
     """A universal checkpoint into DeepSpeed `ds_engine` without ZeRO (its optimizer is torch's
     AdamW). DeepSpeed loads universal checkpoints into ZeRO optimizers only: here its load
-    (`load_native`) gives the module, LR scheduler and step counters, and the fp32 weights,
-    AdamW moments, step and hyperparameters come from the per-parameter files."""
-    load_native(root, tag, load_optimizer_states=False)
+    (`load_native`) gives the LR scheduler and step counters, and the fp32 weights, AdamW
+    moments, step and hyperparameters come from the per-parameter files. The module is not
+    read from the model file: every trained weight is in those files (frozen ones are never
+    saved), and a TP checkpoint's model file holds one TP rank's slices only."""
+    load_native(root, tag, load_optimizer_states=False, load_module=False)
     zero = Path(root) / tag / "zero"
     saved_groups = torch.load(zero / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
     names = {param: name for name, param in ds_engine.module.named_parameters()}

@@ -23,6 +23,10 @@ keep_last_checkpoints, output and export options, total_steps/total_epochs (exte
 run), validation files, the optimizer's settings (e.g. a lower learning rate after
 non-finite steps), and how the global batch is split (data-parallel size, micro-batches,
 token budget, ZeRO stage): a resume with another data-parallel size is supported.
+
+Recorded but not compared (LAYOUT_KEYS): the tensor-parallel size, which says how the
+checkpoint's files are laid out (one per TP rank); a resume may change it
+(docs/tensor_parallel.md).
 """
 
 import dataclasses
@@ -109,7 +113,12 @@ def run_fingerprint(config, tokenizer) -> dict:
         "loss.z_loss_weight": loss.z_loss_weight,
         "loss.label_smoothing": loss.label_smoothing,
         **({"model.lora": dataclasses.asdict(config.model.lora)} if config.model.lora.rank else {}),
+        "engine.tensor_parallel_size": config.engine.tensor_parallel_size,
     }
+
+
+# Keys run_fingerprint records that a resume may change: the layout, not the run.
+LAYOUT_KEYS = ("engine.tensor_parallel_size",)
 
 
 def shown(value) -> str:
@@ -124,7 +133,8 @@ def shown(value) -> str:
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """`key: old -> new` for every key whose value differs (or is only in one of them)."""
+    """`key: old -> new` for every key whose value differs (or is only in one of them), but
+    the LAYOUT_KEYS."""
     keys = list(recorded) + [key for key in current if key not in recorded]
     return [f"{key}: {shown(recorded.get(key))} -> {shown(current.get(key))}"
-            for key in keys if recorded.get(key) != current.get(key)]
+            for key in keys if recorded.get(key) != current.get(key) and key not in LAYOUT_KEYS]

@@ -16,6 +16,7 @@ from hpsft.utils import distributed
 from hpsft.config import SFTConfig, to_yaml
 from hpsft.data.batch import collate_jagged, empty_batch
 from hpsft.data.custom_dataset import load_custom_class
+from hpsft.data.device_feed import device_feed, loader_options
 from hpsft.data.preparation import (LocalRunner, Team, TeamRunner, default_num_proc, make_cache_folder,
                                     prepared_store)
 from hpsft.data.rows import TokenizeOptions, chat_template_text
@@ -186,8 +187,11 @@ class SFTTrainer:
 
     def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()
+        # The device this process trains on (under SPMD its engine's: init_distributed set it;
+        # a Ray driver's own, its workers' engines elsewhere).
+        feed = device_feed(distributed.comm_device())
         loader = DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=collate_jagged,
-                            num_workers=self.config.data.num_workers)
+                            **loader_options(feed, self.config.data.num_workers))
         if len(loader) == 0:
             raise UserInputError(
                 f"{len(self.train_dataset)} training sequences make no full batch of "
@@ -254,17 +258,19 @@ class SFTTrainer:
         )
 
     def refuse_tensor_parallel_resume(self, checkpoint: Path) -> None:
-        """Before the model is built: a checkpoint resumes under tensor parallelism only with the
-        TP and DP sizes that wrote it (DeepSpeed wrote one model and optimizer file per TP rank,
-        which each rank loads back as they are; resharding them is not built,
-        docs/tensor_parallel.md)."""
+        """Before the model is built: a run with tensor parallelism resumes a checkpoint of its
+        own TP and DP sizes, or one written by one process without TP (whole weights, which each
+        TP rank slices: tested); other layouts are not shown exact yet. Without TP any checkpoint
+        resumes (the engine merges a TP checkpoint's slices through DeepSpeed's universal
+        checkpoint). docs/tensor_parallel.md"""
         tp = self.config.engine.tensor_parallel_size
         state = CheckpointManager.load_trainer_state(checkpoint)
         written_tp, written_dp = state.get("tp_size", 1), state["dp_size"]
-        if (tp > 1 or written_tp > 1) and (written_tp, written_dp) != (tp, self.dp_size):
+        if tp > 1 and (written_tp, written_dp) not in ((tp, self.dp_size), (1, 1)):
             raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written_tp} and "
-                                 f"{written_dp} data-parallel ranks, this run has {tp} and {self.dp_size}: a "
-                                 "checkpoint with tensor parallelism resumes with the same sizes only")
+                                 f"{written_dp} data-parallel ranks, this run has {tp} and {self.dp_size}: a run "
+                                 "with tensor parallelism resumes a checkpoint of the same sizes, or of one "
+                                 "process without it, only")
 
     def load_checkpoint(self, checkpoint: Path) -> None:
         """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)

@@ -20,6 +20,7 @@ import torch
 
 from hpsft.utils import distributed
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
+from hpsft.data.device_feed import DeviceFeed, device_feed, pinned
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
 from hpsft.data.sequence_split import real_tokens, split_row
 from hpsft.engine import TrainEngine, build_engine
@@ -62,6 +63,7 @@ class TrainingWorker:
         self.sp_rank = 0  # set in init_model, once the process group exists
         self.tp_size = engine_config.tensor_parallel_size
         self.tp_rank = 0  # set in init_model too
+        self.feed: DeviceFeed | None = None  # what the rows are built in: set in init_model, from the engine's device
 
     def init_model(self) -> None:
         cfg = self.model_config
@@ -98,6 +100,7 @@ class TrainingWorker:
         packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
         self.engine.initialize(packed)  # under TP, AutoTP shards the layers here
         self.tp_rank = distributed.mesh(self.tp_size, self.sp_size).tp_rank
+        self.feed = device_feed(self.engine.device)
         if verify_in_engine:  # in the engine's dtype, with that dtype's tolerance
             verify_packed_training(lm, gathered=self.engine.gathered)
         if cfg.tiled_mlp_tokens is not None:  # after the checks above, which compare with the untiled model
@@ -137,7 +140,7 @@ class TrainingWorker:
         rows = [packed_row(select(batch, b)) for b in bins]
         if self.sp_size > 1:
             rows = [split_row(row, self.sp_rank, self.sp_size) for row in rows]
-        return rows, bins
+        return [pinned(row, self.feed) for row in rows], bins
 
     def global_loss_tokens(self, batch) -> int:
         """The loss-token count of the whole global batch from this rank's share (a collective;
