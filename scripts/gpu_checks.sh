@@ -9,7 +9,8 @@
 #   4. step: an end-to-end bf16 ZeRO-1 step of a random-init Llama-3.2-1B-shaped model on packed
 #      16k-token micro-batches (benchmarks/bench_gpu_step.py): tokens/s, MFU against 989
 #      TFLOP/s, hpsft's loss against Liger's on the same batch
-#   5. ranks: the same step on 2 ranks (torchrun), when the device has 2 GPUs (a line otherwise)
+#   5. ranks: the same step on 2 ranks (torchrun), and TP=2 against TP=1
+#      (benchmarks/bench_tensor_parallel.py), when the device has 2 GPUs (a line otherwise)
 #   6. train (not by default): a bf16 training run of configs/sft.yaml's SmolLM2-135M (random
 #      weights of its architecture) with flash_attention_2 (hpsft_varlen where flash-attn is not
 #      importable) and with sdpa: losses equal within bf16 tolerance, step times
@@ -218,6 +219,23 @@ else
         benchmarks/bench_gpu_step.py "${STEP_ARGS[@]}"
     result "1B-shaped bf16 step, 2 ranks" $? $start "$STEP_LOG" "$(step_detail)"
 fi
+# 5b. Tensor parallelism: TP=1 against TP=2 (DeepSpeed AutoTP, 2 ranks, ZeRO-1) on SmolLM2-135M's
+# widths with 8/4 heads (benchmarks/bench_tensor_parallel.py): step time and each rank's
+# parameter + gradient + optimizer bytes counted by tensor (the GPU target: TP=2 <= 0.55x TP=1).
+TP_LOG="$OUT_DIR/tensor_parallel.log"
+if [[ "$DEVICE" == cuda ]]; then
+    TP_ARGS=(--device cuda --dtype bfloat16 --layers 30 --tokens 8192 --steps 3)
+else
+    TP_ARGS=(--device cpu --dtype float32 --layers 1 --tokens 256 --steps 1)
+fi
+if ! wanted ranks; then
+    :
+elif ((GPUS < 2)) && [[ "$DEVICE" == cuda ]]; then
+    row "TP=2 vs TP=1 (AutoTP)" "skipped" 0 "$GPUS GPU(s) here: TP=2 needs 2"
+else
+    check "TP=2 vs TP=1 (AutoTP)" 150 "$TP_LOG" "$(echo bench_tensor_parallel.py "${TP_ARGS[@]}")" \
+        "$PY" benchmarks/bench_tensor_parallel.py "${TP_ARGS[@]}"
+fi
 
 # 6. bf16 training of the default model, flash-attn vs sdpa. The full model's weights (514 MB)
 # exceed what a device call carries: random weights of its architecture (same time per token,
@@ -301,6 +319,8 @@ row total "$([[ $FAILED == 0 ]] && echo "no failure" || echo FAILED)" "$SECONDS"
     grep -E '^\||^target|^accounting' "$BENCH_LOG"
     echo
     grep -E '^\||-shaped Llama|^median after|^loss on micro-batch|^Liger-Kernel: ' "$STEP_LOG"
+    echo
+    grep -E '^\||-shaped Llama|^TP=' "$TP_LOG"
 } >>"$TABLE" 2>/dev/null
 cat "$TABLE"
 exit $FAILED
