@@ -50,10 +50,7 @@ def main(argv=None) -> int:
         SFTTrainer(config).fit()
     except UserInputError as err:  # a ConfigError is one
         return failed(report_user_error(err))
-    except Preempted as stop:
-        from hpsft.trainer.preemption import ignore_stop_signals
-
-        ignore_stop_signals()
+    except Preempted as stop:  # its checkpoint saved; stop signals ignored since (PreemptionWatch.saved)
         print(f"hpsft: {stop}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     except Exception:  # a bug: its traceback, then the same quick exit

@@ -354,9 +354,10 @@ def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str
     if nproc == 1:
         return [*python, *target, *args]
     if launcher == "torchrun":
-        # Preloaded, torchrun itself is a forked run (its agent imports torch: ~4 CPU s cold),
-        # and its ranks' script is the client, `-m module` (or the script) that one's arguments.
-        return [*python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        # Preloaded, torchrun's script is the client and `-m module` (or the script) its arguments.
+        # torchrun itself stays cold: forked, its agent SIGTERMed the ranks still saving a
+        # preempted step's checkpoint sooner than they began to ignore signals (test_fault_tolerance).
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 *client, *target, *args]
     if launcher == "deepspeed":
         from hpsft.utils.distributed import free_port

@@ -314,8 +314,11 @@ class DeepSpeedEngine(TrainEngine):
         elif saved_dp_size in (0, self.dp_size) and saved_tp_size == self.tp_size:
             self.load_native_checkpoint(root, tag)
         else:
-            load_through_universal(root, tag, f"has {saved_dp_size} ZeRO shards x {saved_tp_size} TP ranks, this run "
-                                   f"{self.dp_size} x {self.tp_size}", lambda out: to_universal(folder, out), into_zero)
+            layouts = (f"has {saved_dp_size} ZeRO shards, this run {self.dp_size} ranks"
+                       if saved_tp_size == self.tp_size == 1 else
+                       f"has {saved_dp_size} ZeRO shards x {saved_tp_size} TP ranks, this run {self.dp_size} x "
+                       f"{self.tp_size}")
+            load_through_universal(root, tag, layouts, lambda out: to_universal(folder, out), into_zero)
 
     def load_native_checkpoint(self, root: str, tag: str, load_optimizer_states: bool = True,
                                load_module: bool = True) -> None:

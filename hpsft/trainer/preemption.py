@@ -6,7 +6,9 @@ A signal may reach some ranks and not others, or reach them during different ste
 every step the ranks take the maximum of their flags (one small all-reduce), so they all
 save the same step, or none does. A second signal before the save is done ends the process
 at once, as the signal's default action would; a save it interrupts stays a `.partial`
-folder that no resume trusts. After the save, the entry points ignore further signals.
+folder that no resume trusts. Once a rank's save is done it ignores further signals
+(PreemptionWatch.saved): the launcher's SIGTERM to the ranks still alive, sent as soon as the
+first rank leaves, must not turn their exit with 75 into death by signal.
 """
 
 import os
@@ -41,14 +43,13 @@ class PreemptionWatch:
             os.kill(os.getpid(), signum)
         self.received = True
 
+    def saved(self) -> None:
+        """The stop step's checkpoint is saved: ignore stop signals from now on, also after the
+        watch is left (the process is leaving with PREEMPTED_EXIT_CODE)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        self.previous = {sig: signal.SIG_IGN for sig in STOP_SIGNALS}
+
     def stop_agreed(self) -> bool:
         """Whether any rank got a stop signal. A collective: every rank calls it every step."""
         return distributed.all_reduce_max(int(self.received)) > 0
-
-
-def ignore_stop_signals() -> None:
-    """For a process that saved its checkpoint and is leaving with PREEMPTED_EXIT_CODE: a
-    further SIGTERM must not turn that into death by signal. Launchers send one to the ranks
-    still alive as soon as the first rank exits (torchrun does, srun --kill-on-bad-exit too)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)

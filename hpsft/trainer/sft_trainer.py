@@ -452,12 +452,14 @@ class SFTTrainer:
                 self.skipped_steps.check(self.global_step, self.last_checkpoint)
                 if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final or preempted:
                     self.save_checkpoint()
+                if preempted:
+                    preemption.saved()
             progress.close()
             if self.profiling:  # the run stopped inside trainer.profile_steps (stop_at_step, a signal)
                 self.stop_profiler()
             if self.tracker:
                 self.tracker.close()
-            if preempted:  # still watching: the entry point ignores further signals from here on
+            if preempted:  # signals are ignored from the save on (PreemptionWatch.saved)
                 raise Preempted(self.global_step, self.last_checkpoint)
         if trainer_cfg.export_hf and self.global_step == self.total_steps:
             self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer, progress=trainer_cfg.progress_bar)
