@@ -6,6 +6,9 @@ alone, torch's AdamW and clipping), and the real CLI at TP=2 against one process
 """
 
 import json
+import shutil
+import sys
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +22,8 @@ from hpsft.utils.distributed import Mesh, mesh
 from hpsft.config.load import ConfigError
 from hpsft.utils.errors import UserInputError
 from hpsft.models.tensor_parallel import check_tensor_parallel
-from tests.conftest import REPO, assert_same_steps, base_overrides, read_metrics, run_cli, train_steps, write_parquet
+from tests.conftest import (REPO, assert_same_steps, base_overrides, ray_env, read_metrics, run_cli, train_steps,
+                            write_parquet)
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "tensor_parallel_steps.py")
 VOCAB = 512
@@ -115,6 +119,24 @@ def test_the_mesh_puts_a_tp_group_on_consecutive_ranks_and_refuses_a_size_not_di
     assert places[3].coordinates() == "rank 3: dp 1, tp 1, sp 0"
     with pytest.raises(UserInputError, match=r"engine.tensor_parallel_size=2 does not divide the world size 1"):
         mesh(tp_size=2)  # this process alone: a world of 1
+
+
+def test_a_tp_group_that_would_span_two_ray_nodes_is_refused_before_ray_starts(tmp_path, capsys):
+    """On Ray rank r runs on node r // ray.n_workers_per_node and a TP group is TP consecutive
+    ranks: 2 nodes of 3 workers hold 6 ranks, which TP=2 divides, but ranks 2 and 3 would be on
+    two nodes. The entry point refuses it by name before it connects to Ray (no instance
+    started); 2 nodes of 2 workers give DP 2 x TP 2."""
+    from hpsft import train_ray
+
+    ray = {"ray.nnodes": 2, "ray.n_workers_per_node": 3}
+    args = ["engine.tensor_parallel_size=2", f"trainer.output_dir={tmp_path}", *(f"{k}={v}" for k, v in ray.items())]
+    assert train_ray.main(args) == 2
+    assert capsys.readouterr().err == (
+        "hpsft: error: engine.tensor_parallel_size=2 does not divide ray.n_workers_per_node=3: a tensor-parallel "
+        "group's ranks run on one node; use a TP size that divides the workers per node\n")
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    config = load_config(None, ["engine.tensor_parallel_size=2", "ray.nnodes=2", "ray.n_workers_per_node=2"])
+    assert config.ray.data_parallel_size(config.engine) == 2
 
 
 def sequence(n: int, seed: int) -> dict:
@@ -348,6 +370,47 @@ def test_hpsft_export_of_a_tp2_checkpoint_writes_whole_weights(tmp_path, cli_run
         assert exported.keys() == reference.keys()
         figures[run] = max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items())
     print(f"export vs the TP=2 run's own {figures['tp2']:.1e}, vs the one-process run's {figures['one']:.1e}")
+    assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-4, figures
+
+
+@pytest.mark.slow
+def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs):
+    """The cli_runs config under `hpsft.train_ray` with 2 workers on one node at TP=2 (DP=1,
+    ZeRO-1; its own local Ray instance): the driver loads the global batches for 1 DP rank and
+    deals both TP ranks the same rows, the group's first TP rank reports the counts. Per-step
+    token and loss-token counts equal the one-process run's, loss and unclipped grad norm
+    within 1e-5, val loss within 1e-5; the start-up line prints the mesh as SPMD's does and the
+    TP group's ranks share one node; the export at the run's end loads strictly and equals the
+    SPMD TP=2 run's (1e-6) and the one-process run's (1e-4, as the CLI test above).
+    Planted once each: (1) DataParallelWorker dealing each TP rank other rows (the group size
+    left at SP):
+    (2) every TP rank reporting its counts (`counted_once` always first):
+    (3) the driver's DP size = the workers (not / TP):
+    """
+    pytest.importorskip("ray")
+    on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
+    try:
+        proc = run_cli("hpsft.train_ray", cli_runs.overrides(on_ray, **{
+            "engine.tensor_parallel_size": 2, "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5}),
+            env={**ray_env(), "RAY_TMPDIR": ray_tmp})
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert ("hpsft: launcher ray: world size 2, 1 node(s), 2 rank(s) per node; mesh DP 1 x TP 2 x SP 1; "
+            "rank 0: dp 0, tp 0, sp 0; rank 1: dp 0, tp 1, sp 0") in proc.stdout
+    assert "hpsft: tensor-parallel groups, each on one node:\n  ranks 0-1: node " in proc.stdout
+    m1, on = read_metrics(cli_runs.one), read_metrics(on_ray)
+    assert [m["step"] for m in on] == [1, 2, 3] and on[0]["perf/micro_batches_per_rank"] == 2
+    assert_same_steps(train_steps(on_ray), train_steps(cli_runs.one), [1, 2, 3], rtol=1e-5)
+    assert rel(on[-1]["val/loss"], m1[-1]["val/loss"]) < 1e-5
+    exported = load_file(on_ray / "hf" / "model.safetensors")
+    LlamaForCausalLM(LlamaConfig.from_pretrained(on_ray / "hf")).load_state_dict(exported, strict=True)
+    figures = {}
+    for run in ("tp2", "one"):
+        reference = load_file(getattr(cli_runs, run) / "hf" / "model.safetensors")
+        assert exported.keys() == reference.keys()
+        figures[run] = max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items())
+    print(f"Ray TP=2 export vs the SPMD TP=2 run's {figures['tp2']:.1e}, vs the one-process run's {figures['one']:.1e}")
     assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-4, figures
 
 

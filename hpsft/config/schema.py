@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Optional
 
+from hpsft.utils.errors import UserInputError
+
 
 def check_choice(section: str, name: str, value, choices) -> None:
     if value not in choices:
@@ -392,6 +394,24 @@ class RayConfig:
             check_positive("ray", name, getattr(self, name))
         check_positive("ray", "call_timeout_s", self.call_timeout_s)  # None passes: no timeout
         check_positive("ray", "max_restarts", self.max_restarts, allow_zero=True)
+
+    def data_parallel_size(self, engine: "EngineConfig") -> int:
+        """The workers' data-parallel size: they are DP x TP x SP, and rank r runs on node
+        r // n_workers_per_node, so a TP group (consecutive ranks, distributed.Mesh) stays on one
+        node, where its collectives (every layer, forward and backward) are cheapest, only if TP
+        divides n_workers_per_node. Checked before Ray starts (hpsft.train_ray) and by the driver."""
+        workers = self.nnodes * self.n_workers_per_node
+        sp, tp = engine.sequence_parallel_size, engine.tensor_parallel_size
+        if self.n_workers_per_node % tp:
+            raise UserInputError(f"engine.tensor_parallel_size={tp} does not divide ray.n_workers_per_node="
+                                 f"{self.n_workers_per_node}: a tensor-parallel group's ranks run on one node; use a "
+                                 "TP size that divides the workers per node")
+        if workers % (sp * tp):  # TP divides the workers (above): SP does not fit
+            group = f"engine.sequence_parallel_size={sp}" + (f" x engine.tensor_parallel_size={tp}" if tp > 1 else "")
+            raise UserInputError(f"{group} does not divide the {workers} Ray workers (ray.nnodes x "
+                                 "ray.n_workers_per_node): the world is data-parallel size x sequence-parallel size"
+                                 + (" x tensor-parallel size" if tp > 1 else ""))
+        return workers // (sp * tp)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,11 @@ count itself (no all-gather), splits the batch into per-rank shards balanced by 
 (hpsft/data/balance.py, as the SPMD ranks split it),
 sends each rank its shard and gathers the results. Which rank gets which sequence does not
 change the step: the loss is normalised by the loss tokens of the whole global batch.
-With sequence parallelism the batch is split over the data-parallel ranks (world / SP) and
-every SP rank of a group gets its group's shard (ranks r*SP .. r*SP+SP-1 form group r, as
-under SPMD); each returns its slices' share of the per-sequence results, which add up.
+With sequence or tensor parallelism the batch is split over the data-parallel ranks
+(world / (TP x SP)) and every rank of a model-parallel group gets its group's shard (ranks
+r*G .. r*G+G-1 form group r, G = TP x SP, as under SPMD: distributed.Mesh); an SP rank returns
+its slices' share of the per-sequence results, which add up, and of a TP group only the first
+rank returns counts (the others zeros: TrainingWorker), so the sums count each row once.
 """
 
 import torch
@@ -19,16 +21,16 @@ from hpsft.workers.step_result import StepResult
 
 
 class DataParallelWorker:
-    def __init__(self, group: RayWorkerGroup, sp_size: int = 1, attention_hidden_size: int | None = None):
+    def __init__(self, group: RayWorkerGroup, model_parallel_size: int = 1, attention_hidden_size: int | None = None):
         self.group = group
-        self.sp_size = sp_size
+        self.model_parallel_size = model_parallel_size  # TP x SP: the ranks of a group share its rows
         self.attention_hidden_size = attention_hidden_size  # data.balance=attention: cost of a sequence
 
     def shard(self, batch) -> tuple[list[list[int]], PerRank]:
         """The sample positions of each rank's shard, and the shards (one per rank)."""
         costs = sequence_costs(seqlens(batch).numpy(), self.attention_hidden_size)
-        dp_positions = split_by_cost(costs, self.group.world_size // self.sp_size)
-        positions = [p for p in dp_positions for _ in range(self.sp_size)]
+        dp_positions = split_by_cost(costs, self.group.world_size // self.model_parallel_size)
+        positions = [p for p in dp_positions for _ in range(self.model_parallel_size)]
         return positions, PerRank(select(batch, p) for p in positions)
 
     def global_loss_tokens(self, batch) -> int:
@@ -39,8 +41,8 @@ class DataParallelWorker:
         return StepResult.combine(self.group.train_batch(shards, global_loss_tokens=global_loss_tokens).get())
 
     def infer_batch(self, batch) -> dict:
-        """Per-sequence results of every rank, put back in the batch's order (the SP ranks'
-        shares of a sequence added up)."""
+        """Per-sequence results of every rank, put back in the batch's order (the shares of a
+        sequence from its group's ranks added up)."""
         positions, shards = self.shard(batch)
         outs = self.group.infer_batch(shards).get()
         gathered = {}

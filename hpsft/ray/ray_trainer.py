@@ -3,7 +3,9 @@ resume, tracking and progress bar, run by one driver over a RayWorkerGroup.
 
 The driver is a single process outside torch.distributed (rank 0 of a world of one): it
 loads whole global batches (the same sequences per step as the SPMD ranks together) and
-hands them to DataParallelWorker, which shards them over the group. Checkpoints: the
+hands them to DataParallelWorker, which shards them over the group's data-parallel ranks
+(workers / (TP x SP)). A tensor-parallel group is TP consecutive ranks of one node: TP must
+divide ray.n_workers_per_node (RayConfig.data_parallel_size). Checkpoints: the
 workers write their engine shards, the driver the trainer state (step, data position in
 samples, RNG), as SPMD's rank 0 does: either kind of run resumes the other's. A lost worker
 (dead, or hung past ray.call_timeout_s) stops the run with an error naming its rank; with
@@ -12,7 +14,6 @@ and a group lost while being rebuilt uses up a restart too.
 """
 
 from hpsft.config import SFTConfig
-from hpsft.utils.errors import UserInputError
 from hpsft.ray.data_parallel import DataParallelWorker
 from hpsft.ray.data_preparation import RayTaskRunner
 from hpsft.ray.resource_pool import RayResourcePool
@@ -34,20 +35,9 @@ class RaySFTTrainer(SFTTrainer):
             raise
 
     def place_process(self) -> tuple[int, int, int, int]:
-        """The driver: rank 0 outside torch.distributed, loading whole global batches for
-        world / SP data-parallel ranks."""
-        workers = self.config.ray.nnodes * self.config.ray.n_workers_per_node
-        sp, tp = self.config.engine.sequence_parallel_size, self.config.engine.tensor_parallel_size
-        if tp > 1:
-            # The driver's split, the worker group's placement and the counted-once metrics of
-            # a TP group are not built for Ray yet (docs/tensor_parallel.md).
-            raise UserInputError(f"engine.tensor_parallel_size={tp} is not supported on Ray yet: run it under "
-                                 "torchrun, the deepspeed launcher or srun (hpsft.train)")
-        if workers % sp:
-            raise UserInputError(f"engine.sequence_parallel_size={sp} does not divide the {workers} Ray workers "
-                                 "(ray.nnodes x ray.n_workers_per_node): the world is data-parallel size x "
-                                 "sequence-parallel size")
-        return 0, 0, workers // sp, 1
+        """The driver: rank 0 outside torch.distributed, loading whole global batches for the
+        workers' data-parallel ranks (workers / (TP x SP))."""
+        return 0, 0, self.config.ray.data_parallel_size(self.config.engine), 1
 
     def launch_description(self) -> str:
         ray_cfg = self.config.ray
@@ -66,9 +56,13 @@ class RaySFTTrainer(SFTTrainer):
         group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend, cfg.trainer.seed, cfg.ray.call_timeout_s,
                                cfg.engine.collective_timeout_s)
         print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
+        tp = cfg.engine.tensor_parallel_size
+        if tp > 1:
+            print("hpsft: tensor-parallel groups, each on one node:\n  " + "\n  ".join(group.node_groups(tp)),
+                  flush=True)
         group.init_model().get()
         hidden = self.model_hidden_size() if cfg.data.balance == "attention" else None
-        return DataParallelWorker(group, cfg.engine.sequence_parallel_size, hidden)
+        return DataParallelWorker(group, cfg.engine.sequence_parallel_size * tp, hidden)
 
     def fit(self) -> None:
         restarts = 0

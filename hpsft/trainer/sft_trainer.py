@@ -139,8 +139,9 @@ class SFTTrainer:
         with tensor parallelism, every rank's coordinates (computed: the layout is fixed)."""
         engine = self.config.engine
         tp, sp = engine.tensor_parallel_size, engine.sequence_parallel_size
-        if tp > 1:
-            ranks = "; ".join(distributed.mesh(tp, sp, r).coordinates() for r in range(distributed.world_size()))
+        if tp > 1:  # the world: this process's, or a Ray driver's workers
+            world = self.dp_size * tp * sp
+            ranks = "; ".join(distributed.Mesh(self.dp_size, tp, sp, r).coordinates() for r in range(world))
             return f"; mesh DP {self.dp_size} x TP {tp} x SP {sp}; {ranks}"
         return f"; data-parallel size {self.dp_size} x sequence-parallel size {sp}" if sp > 1 else ""
 
