@@ -22,6 +22,7 @@ from hpsft.utils.distributed import Mesh, mesh
 from hpsft.config.load import ConfigError
 from hpsft.utils.errors import UserInputError
 from hpsft.models.tensor_parallel import check_tensor_parallel
+from hpsft.trainer.checkpoint import CheckpointManager
 from tests.conftest import (REPO, assert_same_steps, base_overrides, ray_env, read_metrics, run_cli, train_steps,
                             write_parquet)
 
@@ -349,6 +350,20 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
             "or of one process without it, only") in proc.stderr, proc.stderr[-3000:]
 
 
+def export_differences(folder, cli_runs) -> dict[str, float]:
+    """The Hugging Face folder loaded into the model class with strict=True, and its largest
+    per-tensor relative difference from the exports of cli_runs' TP=2 run ("tp2") and one-process
+    run ("one")."""
+    exported = load_file(folder / "model.safetensors")
+    LlamaForCausalLM(LlamaConfig.from_pretrained(folder)).load_state_dict(exported, strict=True)
+    figures = {}
+    for run in ("tp2", "one"):
+        reference = load_file(getattr(cli_runs, run) / "hf" / "model.safetensors")
+        assert exported.keys() == reference.keys()
+        figures[run] = max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items())
+    return figures
+
+
 @pytest.mark.slow
 def test_hpsft_export_of_a_tp2_checkpoint_writes_whole_weights(tmp_path, cli_runs):
     """`hpsft export` of the TP=2 run's last checkpoint (one process, through DeepSpeed's
@@ -362,13 +377,7 @@ def test_hpsft_export_of_a_tp2_checkpoint_writes_whole_weights(tmp_path, cli_run
     proc = run_cli("hpsft.export", [str(cli_runs.tp2 / "checkpoints" / "global_step_3"), str(out)])
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # the scratch folder is gone
-    exported = load_file(out / "model.safetensors")
-    LlamaForCausalLM(LlamaConfig.from_pretrained(out)).load_state_dict(exported, strict=True)
-    figures = {}
-    for run in ("tp2", "one"):
-        reference = load_file(getattr(cli_runs, run) / "hf" / "model.safetensors")
-        assert exported.keys() == reference.keys()
-        figures[run] = max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items())
+    figures = export_differences(out, cli_runs)
     print(f"export vs the TP=2 run's own {figures['tp2']:.1e}, vs the one-process run's {figures['one']:.1e}")
     assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-4, figures
 
@@ -379,14 +388,17 @@ def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs):
     ZeRO-1; its own local Ray instance): the driver loads the global batches for 1 DP rank and
     deals both TP ranks the same rows, the group's first TP rank reports the counts. Per-step
     token and loss-token counts equal the one-process run's, loss and unclipped grad norm
-    within 1e-5, val loss within 1e-5; the start-up line prints the mesh as SPMD's does and the
-    TP group's ranks share one node; the export at the run's end loads strictly and equals the
-    SPMD TP=2 run's (1e-6) and the one-process run's (1e-4, as the CLI test above).
-    Planted once each: (1) DataParallelWorker dealing each TP rank other rows (the group size
-    left at SP):
-    (2) every TP rank reporting its counts (`counted_once` always first):
-    (3) the driver's DP size = the workers (not / TP):
-    """
+    within 1e-5 (measured 2.9e-8 and 6.5e-7), val loss within 1e-5; the start-up line prints the
+    mesh as SPMD's does and the TP group's ranks share one node; the checkpoint records DP 1 x
+    TP 2; the export at the run's end loads strictly and equals the SPMD TP=2 run's (1e-6;
+    measured 0) and the one-process run's (1e-4, as the CLI test above; measured 4.4e-6).
+    Planted once each: (1) DataParallelWorker's group size left at SP (each TP rank dealt other
+    rows): the run died at its first forward in DeepSpeed's "Data inconsistency within the TP
+    group" check, failed; (2) every TP rank reporting its counts (`counted_once` always the
+    first TP rank's): step 1's train/tokens 782 vs 391, failed; (3) the driver's DP size the
+    workers / SP (not / (TP x SP)): the steps unchanged (the driver loads whole batches either
+    way) but the start-up line wrong and the checkpoint recording 2 DP ranks (a TP=2 resume of
+    it would be refused), failed."""
     pytest.importorskip("ray")
     on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
     try:
@@ -403,13 +415,10 @@ def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs):
     assert [m["step"] for m in on] == [1, 2, 3] and on[0]["perf/micro_batches_per_rank"] == 2
     assert_same_steps(train_steps(on_ray), train_steps(cli_runs.one), [1, 2, 3], rtol=1e-5)
     assert rel(on[-1]["val/loss"], m1[-1]["val/loss"]) < 1e-5
-    exported = load_file(on_ray / "hf" / "model.safetensors")
-    LlamaForCausalLM(LlamaConfig.from_pretrained(on_ray / "hf")).load_state_dict(exported, strict=True)
-    figures = {}
-    for run in ("tp2", "one"):
-        reference = load_file(getattr(cli_runs, run) / "hf" / "model.safetensors")
-        assert exported.keys() == reference.keys()
-        figures[run] = max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items())
+    # Its checkpoints record the run's layout, which a resume at TP=2 (Ray or SPMD) checks.
+    state = CheckpointManager.load_trainer_state(on_ray / "checkpoints" / "global_step_3")
+    assert (state["mode"], state["dp_size"], state["tp_size"]) == ("ray", 1, 2)
+    figures = export_differences(on_ray / "hf", cli_runs)
     print(f"Ray TP=2 export vs the SPMD TP=2 run's {figures['tp2']:.1e}, vs the one-process run's {figures['one']:.1e}")
     assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-4, figures
 

@@ -5,7 +5,9 @@ One STRICT_SPREAD placement group of `nnodes` bundles, each the resources of
 `n_workers_per_node` ranks: every bundle is on another node, so ray.nnodes=2 means two
 machines (not two groups that happen to fit on one), and the ranks of a node share it (and
 its fast links). Rank r runs in bundle r // n_workers_per_node, as local rank
-r % n_workers_per_node. A rank takes a GPU where the cluster has GPUs, CPUs otherwise.
+r % n_workers_per_node: a node's ranks are consecutive, so a tensor-parallel group (TP
+consecutive ranks, TP dividing n_workers_per_node) is in one bundle. A rank takes a GPU where
+the cluster has GPUs, CPUs otherwise.
 """
 
 from dataclasses import dataclass
