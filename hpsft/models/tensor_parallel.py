@@ -41,10 +41,10 @@ def check_tensor_parallel(config, tp_size: int) -> None:
                                  f"whole share of them; sizes dividing every count: {valid}")
 
 
-def sum_partial_gradients_over_tp(module: nn.Module, group) -> list[str]:
+def sum_partial_gradients_over_tp(module: nn.Module, group) -> None:
     """Make the gradient of each weight the model's own Hugging Face tp_plan marks
-    `replicated_with_grad_allreduce` (Qwen3's per-head q_norm/k_norm) the sum over the TP group,
-    and return their names. AutoTP leaves such a weight whole on every rank, but each rank applies
+    `replicated_with_grad_allreduce` (Qwen3's per-head q_norm/k_norm) the sum over the TP group.
+    AutoTP leaves such a weight whole on every rank, but each rank applies
     it to its own heads only, so its gradient there is a partial sum; DeepSpeed adds this
     all-reduce only on its tp_plan path, which it does not take for hpsft's wrapper. The hook
     runs on each backward's gradient, before DeepSpeed accumulates it."""
@@ -58,9 +58,6 @@ def sum_partial_gradients_over_tp(module: nn.Module, group) -> list[str]:
         dist.all_reduce(grad, group=group)
         return grad
 
-    names = []
     for name, weight in module.named_parameters():
         if any(pattern.search(name) for pattern in patterns):
             weight.register_hook(summed)
-            names.append(name)
-    return names
