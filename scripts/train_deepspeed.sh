@@ -21,6 +21,10 @@
 # Ranks on other hosts see only the variables the launcher exports (PYTHON*, NCCL*, UCX*, ...)
 # and the KEY=value lines of .deepspeed_env (in $HOME or the current directory; DS_ENV_FILE
 # names another file): put OMP_NUM_THREADS, HF_HOME, TORCH_EXTENSIONS_DIR, ... there.
+#
+# The mesh: the hosts x NPROC ranks are DP x TP x SP, with TP = engine.tensor_parallel_size
+# and SP = engine.sequence_parallel_size, e.g. NPROC=8 engine.tensor_parallel_size=4 -> DP 2 x
+# TP 4; a TP group is TP consecutive ranks, inside a node when TP divides NPROC (docs/launch.md).
 set -euo pipefail
 
 args=(--master_port "${MASTER_PORT:-29500}")

@@ -16,6 +16,10 @@
 #                  trainer.resume=auto (the default) each restart resumes from the last checkpoint,
 #                  so set trainer.save_every
 #   PYTHON         the Python that has hpsft installed (default: python on PATH)
+#
+# The mesh: the NNODES x NPROC ranks are DP x TP x SP, with TP = engine.tensor_parallel_size
+# and SP = engine.sequence_parallel_size, e.g. NPROC=8 engine.tensor_parallel_size=4 -> DP 2 x
+# TP 4; a TP group is TP consecutive ranks, inside a node when TP divides NPROC (docs/launch.md).
 set -euo pipefail
 
 # torchrun shares its rendezvous TCP store with the ranks' process group by default; after a

@@ -156,7 +156,8 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
     batches, two steps each; step 1 also against one process on the same (untiled) packed rows.
     Planted: GPT-OSS's sinks passed whole after the all-to-all (RuntimeError in explicit_attention,
     the defect this layout was added for); every rank given rank 0's sinks: step-1 loss off by
-    3.0e-5, gradients by 6.3e-2."""
+    3.0e-5, gradients by 6.3e-2; the tile count decided by every layer's MLP (TileCount not
+    kept for the forward): twice the forwards' tile counts (2 layers), failed."""
     gqa = tiny_llama(tmp_path / "gqa")
     one_kv = tiny_llama(tmp_path / "one_kv", kv_heads=1)
     sinks = tiny_gpt_oss(tmp_path / "gpt_oss")
@@ -197,6 +198,11 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)
     assert all(value < 1e-5 for value in figures.values()), shown
+    # A tiled forward decides its tile count once (under ZeRO-3: one all-reduce per forward, not per layer).
+    for layout in layouts:
+        if layout.get("tiled_mlp_tokens"):
+            run = runs[layout["name"]]
+            assert run["tile_counts"] == run["forwards"] > 0, (layout["name"], run["tile_counts"], run["forwards"])
     # The second step trained on updated weights: the layouts agree on more than the start.
     assert abs(runs["zero2 dp2"]["losses"][1] - runs["zero2 dp2"]["losses"][0]) > 1e-3
 

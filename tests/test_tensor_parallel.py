@@ -6,6 +6,7 @@ alone, torch's AdamW and clipping), and the real CLI at TP=2 against one process
 """
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -196,7 +197,9 @@ def test_tp2_trains_as_one_process_under_zero1_and_zero2(tmp_path):
     grad norms 3.0e-2, 6.9e-2, 1.1e-2, failed; Gemma-2's attention soft-cap dropped: its step-1
     loss 1.7e-3 and grad norm 9.4e-3 off (the other families unchanged), failed. Planted once: the
     engine not summing Qwen3's q_norm/k_norm gradients over TP (sum_partial_gradients_over_tp not
-    called): Qwen3's step-2 grad norm 3.0e-3 off, final weights 2.4e-2, failed."""
+    called): Qwen3's step-2 grad norm 3.0e-3 off, final weights 2.4e-2, failed. That bug is now
+    also a run of its own ("qwen3 unsummed"): the engine's start-up ShardingCheck must refuse it,
+    and pass every other run (worst errors printed by the engines, < 1e-4)."""
     models = {"llama": tiny_llama(tmp_path / "llama"), "qwen2": tiny_qwen2(tmp_path / "qwen2"),
               "tied llama": tiny_llama(tmp_path / "tied", tied=True),  # SmolLM2's LM head is its embedding
               **{family: tiny_family(tmp_path / family, family) for family in FAMILIES}}
@@ -204,7 +207,8 @@ def test_tp2_trains_as_one_process_under_zero1_and_zero2(tmp_path):
             {"name": "tied llama zero1", "model": models["tied llama"], "zero_stage": 1},
             {"name": "llama zero2", "model": models["llama"], "zero_stage": 2},
             {"name": "qwen2 zero1", "model": models["qwen2"], "zero_stage": 1},
-            *({"name": f"{family} zero1", "model": models[family], "zero_stage": 1} for family in FAMILIES)]
+            *({"name": f"{family} zero1", "model": models[family], "zero_stage": 1} for family in FAMILIES),
+            {"name": "qwen3 unsummed", "model": models["qwen3"], "zero_stage": 1, "unsummed": True}]
     lengths = [40, 9, 8, 12, 12, 13, 1, 6, 11, 30, 7, 5, 21, 16]
     samples = [sequence(n, seed) for seed, n in enumerate(lengths)]
     steps = [[[0, 1, 2], [3, 4]], [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]]]
@@ -213,9 +217,16 @@ def test_tp2_trains_as_one_process_under_zero1_and_zero2(tmp_path):
     proc = run_cli(None, [str(tmp_path / "spec.pt"), str(tmp_path / "out.pt")], nproc=2, script=SCRIPT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = torch.load(tmp_path / "out.pt")
+    # The engine's start-up check of every sharded model against the whole one: passed by each
+    # family (the engines started), refused for Qwen3 without its partial gradients summed.
+    checks = re.findall(r"the whole model's within (\S+)", proc.stdout)
+    print("start-up sharding checks, worst relative errors:", checks)
+    assert len(checks) == len(runs) - 1 and max(map(float, checks)) < 1e-4
+    refusal = results["qwen3 unsummed"]
+    assert "computes another gradient of" in refusal and ("q_norm" in refusal or "k_norm" in refusal), refusal
     references = {path: reference_steps(path, samples, steps, lr) for path in models.values()}
     figures = {}  # all measured first: a failure shows every one
-    for spec in runs:
+    for spec in runs[:-1]:
         run, reference, name = results[spec["name"]], references[spec["model"]], spec["name"]
         for step in range(len(steps)):
             figures[f"{name} step {step + 1} loss"] = rel(run["losses"][step], reference["losses"][step])
@@ -472,6 +483,9 @@ def test_dp2_x_tp2_trains_as_one_process_and_bf16_accumulates_and_reduces_in_fp3
     reference = reference_steps(model, samples, steps, lr)
     fp32, bf16 = results["fp32"], results["bf16"]
     figures = {}  # all measured first: a failure shows every one
+    # The engine's start-up sharding check (the whole model's reference in fp32): fp32, then bf16.
+    figures["fp32 start-up check"], figures["bf16 start-up check"] = map(
+        float, re.findall(r"the whole model's within (\S+)", proc.stdout))
     for step in range(len(steps)):
         figures[f"step {step + 1} loss"] = rel(fp32["losses"][step], reference["losses"][step])
         figures[f"step {step + 1} grad norm"] = rel(fp32["grad_norms"][step], reference["grad_norms"][step])
@@ -483,7 +497,8 @@ def test_dp2_x_tp2_trains_as_one_process_and_bf16_accumulates_and_reduces_in_fp3
     figures["bf16 step 1 grad norm vs fp32"] = rel(bf16["grad_norms"][0], reference["grad_norms"][0])
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)
-    tolerances = {"accumulation": 1e-6, "weights": 1e-4, "vs fp32": 1e-2}  # the weights: see the TP=2 test
+    tolerances = {"accumulation": 1e-6, "weights": 1e-4, "vs fp32": 1e-2,  # the weights: see the TP=2 test
+                  "fp32 start-up check": 1e-4, "bf16 start-up check": 5e-2}  # SHARDING_TOLERANCE
     assert all(value < next((t for end, t in tolerances.items() if name.endswith(end)), 1e-5)
                for name, value in figures.items()), shown
     assert bf16["weight_dtypes"] == ["torch.bfloat16"]

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from hpsft.models.tiled_mlp import tiled_forward
+from hpsft.models.tiled_mlp import TileCount, tiled_forward
 from tests.syncing_ops import DataDependentOps
 
 
@@ -25,7 +25,7 @@ def test_a_tiled_mlp_without_zero3_needs_no_device_data_on_the_host():
     mlp.zero_grad()
     calls = []
     mlp.up_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[-2]))
-    mlp.forward = tiled_forward(mlp.forward, 8).__get__(mlp)
+    mlp.forward = tiled_forward(mlp.forward, TileCount(8)).__get__(mlp)
     with DataDependentOps() as ops:
         out = mlp(x)
         out.square().sum().backward()

@@ -40,7 +40,7 @@ from torch import nn
 from hpsft.engine.base import TrainEngine
 from hpsft.engine.grad_norm import global_grad_norm
 from hpsft.engine.optimizer import adamw, lr_scheduler, param_groups
-from hpsft.models.tensor_parallel import sum_partial_gradients_over_tp
+from hpsft.models.tensor_parallel import ShardingCheck, sum_partial_gradients_over_tp
 from hpsft.engine.universal import (MODEL_STATES, load_through_universal, load_universal_into_zero,
                                     load_universal_without_zero, to_universal, to_universal_without_zero,
                                     unsharded_to_universal)
@@ -167,10 +167,16 @@ class DeepSpeedEngine(TrainEngine):
             print(f"hpsft: engine.zero_stage={self.config.zero_stage} in one process runs without ZeRO: nothing to "
                   "partition (checkpoints hold the whole optimizer state and resume with any number of ranks)",
                   flush=True)
+        whole = ShardingCheck.of(module) if self.tp_size > 1 else None  # before AutoTP shards it
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=config)
         if self.tp_size > 1:
-            sum_partial_gradients_over_tp(self.engine.module, groups.get_tensor_model_parallel_group())
+            group = groups.get_tensor_model_parallel_group()
+            sum_partial_gradients_over_tp(self.engine.module, group)
+            worst = whole.verify(self.engine.module, group)
+            if dist.get_rank() == 0:
+                print(f"hpsft: tensor parallel: the sharded model's loss and gradient norms on the start-up check's "
+                      f"row are the whole model's within {worst:.1e}", flush=True)
         if self.stage == 0 and self.dp_size == 1:
             # Without ZeRO DeepSpeed all-reduces at every step's last backward even alone: it
             # flattens all gradients into one new buffer and copies them back (1.2 s a step

@@ -231,6 +231,23 @@ def eager_reference_logprobs(lm: nn.Module, sequences: list[torch.Tensor]) -> to
         lm.set_attn_implementation(implementation)
 
 
+def check_row(lm: nn.Module, vocab: int | None = None, past_window: bool = True) -> tuple[list[torch.Tensor], dict]:
+    """The start-up checks' input: two random sequences of fixed seed, of 24 and 9 tokens (with
+    past_window, the first PAST_WINDOW tokens longer than any sliding window), and their packed
+    row (fully supervised) on the device of `lm`'s weights."""
+    vocab = vocab or lm.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    window = longest_sliding_window(lm.config) if past_window else None
+    lengths = (window + PAST_WINDOW if window else 24, 9)
+    sequences = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    row = packed_row(collate_jagged([
+        {"input_ids": ids, "loss_mask": torch.ones(len(ids), dtype=torch.bool), "index": i}
+        for i, ids in enumerate(sequences)
+    ]))
+    device = next(lm.parameters()).device
+    return sequences, {name: value.to(device) if torch.is_tensor(value) else value for name, value in row.items()}
+
+
 def already_whole(params):
     return contextlib.nullcontext()
 
@@ -271,16 +288,7 @@ def verify_packed_training(lm: nn.Module, gathered=already_whole) -> None:
     try:
         device = next(lm.parameters()).device
         head = lm.get_output_embeddings().weight
-        vocab = getattr(head, "ds_shape", head.shape)[0]  # a ZeRO-3 partitioned weight knows its whole shape
-        g = torch.Generator().manual_seed(0)
-        window = longest_sliding_window(lm.config)
-        lengths = (window + PAST_WINDOW if window else 24, 9)
-        sequences = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
-        row = packed_row(collate_jagged([
-            {"input_ids": ids, "loss_mask": torch.ones(len(ids), dtype=torch.bool), "index": i}
-            for i, ids in enumerate(sequences)
-        ]))
-        row = {name: value.to(device) if torch.is_tensor(value) else value for name, value in row.items()}
+        sequences, row = check_row(lm, vocab=getattr(head, "ds_shape", head.shape)[0])  # ZeRO-3: the whole shape
         packed = PackedCausalLM(lm)
         hidden, _ = packed.hidden_states(row["input_ids"], row["position_ids"], row["offsets"], row["max_length"])
         with gathered([head]):

@@ -63,21 +63,42 @@ def agreed_tiles(tokens: int, tile_tokens: int, device, partitioned: bool) -> in
     return int(agreed.item())
 
 
-def tiled_forward(original_forward, tile_tokens: int):
+class TileCount:
+    """The tile count of one forward of the model: decided by its first layer's MLP and kept for
+    the others, which see the same tokens (and for their recomputation under activation
+    checkpointing), so that under ZeRO-3 a forward all-reduces it once, not once per layer.
+    A forward pre-hook on the decoder forgets it (`forget`) before the next forward."""
+
+    def __init__(self, tile_tokens: int):
+        self.tile_tokens = tile_tokens
+        self.tiles = None
+
+    def forget(self, *_) -> None:
+        self.tiles = None
+
+    def of(self, tokens: int, device, partitioned: bool) -> int:
+        if self.tiles is None:
+            self.tiles = agreed_tiles(tokens, self.tile_tokens, device, partitioned)
+        return self.tiles
+
+
+def tiled_forward(original_forward, count: TileCount):
     def forward(self, x):
         params = [p for p in self.parameters() if p.requires_grad]
         partitioned = any(hasattr(p, "ds_id") for p in self.parameters())
-        tiles = agreed_tiles(x.shape[-2], tile_tokens, x.device, partitioned)
-        return TiledMLPFunction.apply(original_forward, x, tiles, params)
+        return TiledMLPFunction.apply(original_forward, x, count.of(x.shape[-2], x.device, partitioned), params)
 
     return forward
 
 
 def tile_mlps(lm: torch.nn.Module, tile_tokens: int) -> None:
     """Make every decoder layer's MLP of `lm` run in tiles of `tile_tokens` tokens."""
-    for i, layer in enumerate(lm.get_decoder().layers):
+    count = TileCount(tile_tokens)
+    decoder = lm.get_decoder()
+    decoder.register_forward_pre_hook(count.forget)
+    for i, layer in enumerate(decoder.layers):
         mlp = layer.mlp
         if not type(mlp).__name__.endswith("MLP"):  # an MoE block routes tokens: not one MLP over the row
             raise UnsupportedModel(f"model.tiled_mlp_tokens: layer {i}'s MLP is a {type(mlp).__name__}, not a dense "
                                    "MLP; tiling is implemented for dense MLPs only")
-        mlp.forward = types.MethodType(tiled_forward(mlp.forward, tile_tokens), mlp)
+        mlp.forward = types.MethodType(tiled_forward(mlp.forward, count), mlp)

@@ -11,7 +11,8 @@ SP ranks per group there are N/SP data-parallel ranks: dp rank d trains rows d, 
 of a step (the rows are the same on every SP rank of a group, and each trains its slice:
 exactly what TrainingWorker does after planning the rows); "checkpointing": true in a layout
 turns on activation checkpointing, "tiled_mlp_tokens": N tiles the MLPs. OUT_PT gets {name: {"losses":
-[per step], "grads": {param: tensor}}}.
+[per step], "grads": {param: tensor}, "forwards": decoder forwards, "tile_counts": tile counts decided
+(agreed_tiles calls: under ZeRO-3 each is an all-reduce)}}.
 """
 
 import sys
@@ -26,6 +27,7 @@ from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.data.sequence_split import split_row
 from hpsft.engine import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
+from hpsft.models import tiled_mlp
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.workers.training_worker import token_mean_loss
 
@@ -45,8 +47,11 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
     model = PackedCausalLM(load_causal_lm(config.model.path,
                                           gradient_checkpointing=config.model.gradient_checkpointing))
     engine.initialize(model)
+    forwards, tile_counts = [], []
     if layout.get("tiled_mlp_tokens"):
         tile_mlps(model.lm, layout["tiled_mlp_tokens"])
+        model.lm.get_decoder().register_forward_pre_hook(lambda *_: forwards.append(1))
+        tiled_mlp.agreed_tiles = counted(AGREED_TILES, tile_counts)
     sp_group = distributed.sequence_parallel_group(sp) if sp > 1 else None
     if sp > 1:
         model.enable_sequence_parallel(sp_group, sp, distributed.sequence_parallel_layout(sp)[2])
@@ -67,7 +72,17 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
         nll = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]), dtype=torch.float64)
         dist.all_reduce(nll)  # every rank's share: its slices of its rows
         losses.append(float(nll) / total)
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "forwards": len(forwards), "tile_counts": len(tile_counts)}
+
+
+AGREED_TILES = tiled_mlp.agreed_tiles
+
+
+def counted(function, calls: list):
+    def call(*args):
+        calls.append(1)
+        return function(*args)
+    return call
 
 
 def main() -> None:

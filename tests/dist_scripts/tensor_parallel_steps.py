@@ -10,8 +10,9 @@ optionally "dtype": "bfloat16"}]}. With TP ranks per group there are N/TP data-p
 dp rank d trains rows d, d+N/TP, ... of a step, the same on every TP rank of its group (what
 TrainingWorker does after planning the rows). OUT_PT gets {name: {"losses": [...], "grad_norms":
 [...], "weights": {name: tensor}}}, and for a bf16 run also "weight_dtypes" and
-"accumulation_errors" (one a step, see fp32_accumulation_check). DeepSpeed builds its TP groups
-once per process: every run here has the same TP size.
+"accumulation_errors" (one a step, see fp32_accumulation_check). A run with "unsummed": true gets
+the engine's start-up refusal instead (refusal_without_partial_sums). DeepSpeed builds its TP
+groups once per process: every run here has the same TP size.
 """
 
 import sys
@@ -23,8 +24,9 @@ from deepspeed.utils import safe_get_full_grad
 from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.engine import DeepSpeedEngine
+from hpsft.engine import DeepSpeedEngine, deepspeed_engine
 from hpsft.models import PackedCausalLM, load_causal_lm, weight_names
+from hpsft.models.families import UnsupportedModel
 from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.workers.training_worker import token_mean_loss
 
@@ -93,12 +95,31 @@ def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
     return result
 
 
+def refusal_without_partial_sums(spec: dict, run_spec: dict) -> str:
+    """The engine's start-up ShardingCheck on a model whose partial gradients go unsummed: the
+    run's model (Qwen3) with sum_partial_gradients_over_tp left out, the bug it fixes. Returns
+    the refusal's message ("" if the engine started)."""
+    config = load_config(None, [f"model.path={run_spec['model']}", f"engine.zero_stage={run_spec['zero_stage']}",
+                                f"engine.tensor_parallel_size={spec['tp']}"])
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1)
+    summed = deepspeed_engine.sum_partial_gradients_over_tp
+    deepspeed_engine.sum_partial_gradients_over_tp = lambda module, group: None
+    try:
+        engine.initialize(PackedCausalLM(load_causal_lm(config.model.path)))
+    except UnsupportedModel as err:
+        return str(err)
+    finally:
+        deepspeed_engine.sum_partial_gradients_over_tp = summed
+    return ""
+
+
 def main() -> None:
     spec_pt, out_pt = sys.argv[1:3]
     distributed.init_distributed("gloo")
     spec = torch.load(spec_pt)
     samples = [{**s, "index": i} for i, s in enumerate(spec["sequences"])]
-    results = {r["name"]: run(spec, r, samples) for r in spec["runs"]}
+    results = {r["name"]: refusal_without_partial_sums(spec, r) if r.get("unsummed") else run(spec, r, samples)
+               for r in spec["runs"]}
     if dist.get_rank() == 0:
         torch.save(results, out_pt)
 
