@@ -196,12 +196,10 @@ def slow_overrides(model_path, train, out_dir, cache, **extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def three_shards(tmp_path_factory, sharegpt):
-    """3500 ShareGPT conversations cut into 3 shards: of 2 ranks, rank 0 prepares
-    shards 0 and 2, rank 1 shard 1 and then waits for shard 2, seconds past the timeout (at 2000
-    conversations it waited 4.6 s on an idle 2-core machine: too close; 3500 waited 15-21 s at
-    load 8, ~8 s expected idle)."""
+    """6000 ShareGPT conversations (8.6M tokens) cut into 3 shards: of 2 ranks, rank 0 prepares
+    shards 0 and 2, rank 1 shard 1 and then waits for shard 2 (seconds past the timeout)."""
     folder = tmp_path_factory.mktemp("sharegpt")
-    path = write_jsonl([{"messages": c} for c in sharegpt[:3500]], folder / "sharegpt.jsonl")
+    path = write_jsonl([{"messages": c} for c in sharegpt], folder / "sharegpt.jsonl")
     return path, Path(path).stat().st_size / 3 / 2**20
 
 
