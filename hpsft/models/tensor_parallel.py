@@ -41,7 +41,6 @@ def check_tensor_parallel(config, tp_size: int) -> None:
         raise UserInputError(f"{option}: model type {config.model_type!r} is not supported under tensor "
                              f"parallelism (shown exact for {', '.join(TESTED_FAMILIES)} only); use "
                              "engine.tensor_parallel_size=1")
-        return errors[worst]
     counts = {"attention heads (num_attention_heads)": config.num_attention_heads,
               "key/value heads (num_key_value_heads)": config.num_key_value_heads,
               "MLP width (intermediate_size)": config.intermediate_size}
