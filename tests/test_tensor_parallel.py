@@ -86,7 +86,6 @@ def tiny_family(folder, family: str) -> str:
 @pytest.mark.parametrize("overrides, message", [
     (["engine.zero_stage=3"], r"engine.tensor_parallel_size=2 needs engine.zero_stage=1 or 2, got 3"),
     (["engine.zero_stage=0"], r"engine.tensor_parallel_size=2 needs engine.zero_stage=1 or 2, got 0"),
-    (["engine.sequence_parallel_size=2"], r"tensor and sequence parallelism together are not supported yet"),
     (["engine.offload_optimizer=true"], r"engine.offload_optimizer=true is not supported"),
     (["model.lora.rank=4"], r"LoRA under tensor parallelism is not supported"),
     (["model.tiled_mlp_tokens=64"], r"tiled MLPs under tensor parallelism are not supported"),
@@ -115,10 +114,17 @@ def test_a_model_tensor_parallelism_cannot_split_exactly_is_refused(config, mess
 
 
 def test_the_mesh_puts_a_tp_group_on_consecutive_ranks_and_refuses_a_size_not_dividing_the_world():
-    """DP=2 x TP=2 as DeepSpeed's AutoTP mesh lays it out: ranks 0, 1 are TP group 0 (dp 0)."""
+    """DP=2 x TP=2 as DeepSpeed's AutoTP mesh lays it out: ranks 0, 1 are TP group 0 (dp 0).
+    Under TP x SP an SP group is the ranks of one TP coordinate in a data-parallel block (TP
+    apart): DeepSpeed's data-parallel group, the ranks of one TP coordinate, then holds them all."""
     places = [Mesh(dp_size=2, tp_size=2, sp_size=1, rank=r) for r in range(4)]
     assert [(p.dp_rank, p.tp_rank, p.sp_rank) for p in places] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
     assert places[3].coordinates() == "rank 3: dp 1, tp 1, sp 0"
+    places = [Mesh(dp_size=2, tp_size=2, sp_size=2, rank=r) for r in range(8)]
+    assert [(p.dp_rank, p.tp_rank, p.sp_rank) for p in places] == [
+        (0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert places[0].sequence_parallel_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert Mesh(dp_size=2, tp_size=1, sp_size=2, rank=0).sequence_parallel_ranks() == [[0, 1], [2, 3]]
     with pytest.raises(UserInputError, match=r"engine.tensor_parallel_size=2 does not divide the world size 1"):
         mesh(tp_size=2)  # this process alone: a world of 1
 
@@ -183,6 +189,14 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+# Weights whose gradient is zero in exact arithmetic, left out of the weight comparisons: a key
+# bias adds the same q.b to every score of a query, which the softmax ignores. Their gradient
+# is rounding only, which AdamW normalises into updates of ~lr either way: after 3 steps Qwen2's
+# layer-0 k_proj.bias was 1.2e-4 apart (relative, over the 1e-4 tolerance; one machine of
+# 2026-12-02; the whole model's worst was 5.9e-5 on an earlier one), every other weight within 3.9e-5. Their gradients still count in the compared norms.
+ROUNDING_ONLY = ("self_attn.k_proj.bias",)
+
+
 @pytest.mark.slow
 def test_tp2_trains_as_one_process_under_zero1_and_zero2(tmp_path):
     """2 ranks, DP=1 x TP=2 (Llama under ZeRO-1 and ZeRO-2, with its LM head tied to the
@@ -233,14 +247,15 @@ def test_tp2_trains_as_one_process_under_zero1_and_zero2(tmp_path):
             figures[f"{name} step {step + 1} grad norm"] = rel(run["grad_norms"][step], reference["grad_norms"][step])
         assert run["weights"].keys() == reference["weights"].keys()
         figures[f"{name} final weights"] = max(
-            float((run["weights"][k] - w).norm() / w.norm()) for k, w in reference["weights"].items())
+            float((run["weights"][k] - w).norm() / w.norm()) for k, w in reference["weights"].items()
+            if not k.endswith(ROUNDING_ONLY))
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)
     # Losses and norms agree to fp32 rounding (measured: <= 3.1e-7). The weights only to 1e-4: at
     # lr 1e-2 AdamW's first updates are ~lr x sign(g), so gradient elements near zero whose
     # rounding differs between the packed TP path and the per-sequence reference move by up
     # to 2 lr (measured: Llama 2.5e-5 on layer 0's gate_proj, <= 1e-5 on every other tensor;
-    # tied Llama 2.1e-5; Qwen2 5.9e-5).
+    # tied Llama 2.1e-5; Qwen2 3.9e-5 without its key biases, ROUNDING_ONLY).
     assert all(value < (1e-4 if name.endswith("weights") else 1e-5) for name, value in figures.items()), shown
     # Clipping binds (a reference norm exceeds optim.grad_clip=1.0: at every step but for the tied
     # model) and the steps move the loss (the least: Mixtral's, by 9.5e-3).
@@ -254,7 +269,8 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, cli_
     of 8 real conversations in 2 micro-batches, validation, a checkpoint per step and export:
     per-step token and loss-token counts equal, loss, unclipped grad norm and val loss within
     1e-5, the exported folder unsharded (loads strictly into the model class) and equal to the
-    one-process export. Planted once each: (1) the worker's step loss-token count divided by SP
+    one-process export within 1e-6 (measured 9.9e-8). Planted once each (at lr 1e-2, before
+    CLI_LR): (1) the worker's step loss-token count divided by SP
     only, not TP (counted twice over the TP group): grad norms 0.5x, losses equal, failed; (2) every TP rank
     reporting its counts (not once per group): train/loss_tokens 2x, failed; (3) the sampler's
     data-parallel size over the whole world (each TP rank dealt other rows): the TP=2 run died
@@ -271,12 +287,10 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, cli_
     assert [m["step"] for m in m2] == [1, 2, 3] and m2[0]["perf/micro_batches_per_rank"] == 2
     assert_same_steps(train_steps(tp2), train_steps(one), [1, 2, 3], rtol=1e-5)
     assert rel(m2[-1]["val/loss"], m1[-1]["val/loss"]) < 1e-5
-    assert max(m["train/grad_norm"] for m in m1) > 1.0  # clipping binds (steps 2 and 3)
-    exported, reference = load_file(tp2 / "hf" / "model.safetensors"), load_file(one / "hf" / "model.safetensors")
-    LlamaForCausalLM(LlamaConfig.from_pretrained(tp2 / "hf")).load_state_dict(exported, strict=True)
-    assert exported.keys() == reference.keys()
-    # Within 1e-4 for AdamW's sign-like first updates at lr 1e-2 (see the engine test above).
-    assert max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items()) < 1e-4
+    assert min(m["train/grad_norm"] for m in m1) > CLI_GRAD_CLIP  # clipping binds at every step
+    figures = export_differences(tp2 / "hf", cli_runs)  # loads strictly
+    print(f"export vs the one-process run's {figures['one']:.1e}")
+    assert figures["one"] < 1e-6, figures
     # Its step-1 checkpoint resumed under TP=2 trains steps 2 and 3 as the straight run did.
     checkpoint = tp2 / "checkpoints" / "global_step_1"
     resumed = tmp_path / "resumed"
@@ -287,6 +301,15 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, cli_
     assert [m["step"] for m in read_metrics(resumed)] == [2, 3]
     assert_same_steps(train_steps(resumed), train_steps(tp2), [2, 3], rtol=1e-6)
     assert rel(read_metrics(resumed)[-1]["val/loss"], m2[-1]["val/loss"]) < 1e-6
+
+
+# The CLI runs' rate and clipping: at lr 1e-2 AdamW's first, sign-like updates (~lr x sign(g))
+# turned fp32 rounding of gradient elements near zero into weight differences of up to 4.4e-6
+# between the TP=2 and one-process exports (machine-dependent: 6.9e-7 on another draw); at 1e-3
+# they are 9.9e-8, under the 1e-6 the exports are compared at. The norms are ~1: clipping at 0.5
+# binds at every step. (The planted bugs in the docstrings of the tests below were seen failing
+# at lr 1e-2, clipping at 1.0: their figures are from those runs.)
+CLI_LR, CLI_GRAD_CLIP = 1e-3, 0.5
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +327,8 @@ def cli_runs(tmp_path_factory, model_path, chat_rows):
 
     def overrides(out, **extra):
         return base_overrides(model, train, val, out, **{
-            "trainer.total_steps": 3, "data.micro_batch_size_per_gpu": 4, "optim.lr": 1e-2,
+            "trainer.total_steps": 3, "data.micro_batch_size_per_gpu": 4, "optim.lr": CLI_LR,
+            "optim.grad_clip": CLI_GRAD_CLIP,
             "engine.zero_stage": 1, "trainer.save_every": 1, **extra})
 
     one, tp2 = tmp_path / "one", tmp_path / "tp2"
@@ -314,6 +338,39 @@ def cli_runs(tmp_path_factory, model_path, chat_rows):
     proc = run_cli("hpsft.train", overrides(one))
     assert proc.returncode == 0, proc.stderr[-6000:]
     return SimpleNamespace(one=one, tp2=tp2, tp2_stdout=tp2_stdout, overrides=overrides)
+
+
+@pytest.mark.slow
+def test_tp2_x_sp2_cli_run_equals_one_process_and_resumes_its_own_sizes(tmp_path, cli_runs):
+    """The real CLI over 4 ranks at TP=2 x SP=2 (DP=1, ZeRO-1): every rank plans the same packed
+    rows, SP rank s trains the s-th half of each on 1 of the model's 4 query heads (TP 2 of
+    them, Ulysses 1 of those). Against the one-process run of the same config: per-step token
+    and loss-token counts equal, loss, unclipped grad norm and val loss within 1e-5, and the
+    start-up line gives each rank's coordinates (SP groups TP apart: ranks 0 and 2, 1 and 3).
+    Its step-1 checkpoint resumed at the same sizes trains steps 2-3 as the straight run; the
+    TP=2 run's checkpoint (SP=1) at TP=2 x SP=2 is refused by name (not shown exact).
+    Planted once: the worker's step loss-token count divided by TP only, not TP x SP (counted
+    twice over the SP group): grad norms 0.5x, failed."""
+    out, overrides = tmp_path / "tp2_sp2", cli_runs.overrides
+    sizes = {"engine.tensor_parallel_size": 2, "engine.sequence_parallel_size": 2}
+    proc = run_cli("hpsft.train", overrides(out, **sizes), nproc=4)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert ("world size 4, 1 node(s), 4 rank(s) per node; mesh DP 1 x TP 2 x SP 2; rank 0: dp 0, tp 0, sp 0; "
+            "rank 1: dp 0, tp 1, sp 0; rank 2: dp 0, tp 0, sp 1; rank 3: dp 0, tp 1, sp 1") in proc.stdout
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+    assert_same_steps(train_steps(out), train_steps(cli_runs.one), [1, 2, 3], rtol=1e-5)
+    assert rel(read_metrics(out)[-1]["val/loss"], read_metrics(cli_runs.one)[-1]["val/loss"]) < 1e-5
+    checkpoint, resumed = out / "checkpoints" / "global_step_1", tmp_path / "resumed"
+    proc = run_cli("hpsft.train", overrides(resumed, **sizes, **{"trainer.resume": checkpoint}), nproc=4)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert [m["step"] for m in read_metrics(resumed)] == [2, 3]
+    assert_same_steps(train_steps(resumed), train_steps(out), [2, 3], rtol=1e-6)
+    tp2_checkpoint = cli_runs.tp2 / "checkpoints" / "global_step_1"
+    proc = run_cli("hpsft.train", overrides(tmp_path / "refused", **sizes, **{"trainer.resume": tp2_checkpoint}),
+                   nproc=4)
+    assert proc.returncode != 0 and (
+        f"hpsft: error: {tp2_checkpoint} was written with engine.tensor_parallel_size=2, 1 data-parallel ranks "
+        "and engine.sequence_parallel_size=1, this run has 2, 1 and 2") in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -356,9 +413,10 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
         proc = run_cli("hpsft.train", cli_runs.overrides(tmp_path / "tp2_from_dp2", **{
             "trainer.resume": dp2_checkpoint, "engine.tensor_parallel_size": 2}), nproc=2)
         assert proc.returncode != 0 and (
-            f"hpsft: error: {dp2_checkpoint} was written with engine.tensor_parallel_size=1 and 2 data-parallel "
-            "ranks, this run has 2 and 1: a run with tensor parallelism resumes a checkpoint of the same sizes, "
-            "or of one process without it, only") in proc.stderr, proc.stderr[-3000:]
+            f"hpsft: error: {dp2_checkpoint} was written with engine.tensor_parallel_size=1, 2 data-parallel "
+            "ranks and engine.sequence_parallel_size=1, this run has 2, 1 and 1: a run with tensor parallelism "
+            "resumes a checkpoint of the same sizes, or of one process without it, only") in proc.stderr, \
+            proc.stderr[-3000:]
 
 
 def export_differences(folder, cli_runs) -> dict[str, float]:
@@ -380,8 +438,7 @@ def test_hpsft_export_of_a_tp2_checkpoint_writes_whole_weights(tmp_path, cli_run
     """`hpsft export` of the TP=2 run's last checkpoint (one process, through DeepSpeed's
     universal conversion): the folder loads into the model class with strict=True and equals
     the TP=2 run's own export at its end (the weights gathered over the TP group) within 1e-6
-    (measured: 0), and the one-process run's export within 1e-4 (measured: 4.4e-6, AdamW's
-    sign-like first updates, see the engine test). Planted: gate_proj's column-parallel slices
+    (measured: 0), and the one-process run's export within 1e-6 (measured: 9.9e-8). Planted: gate_proj's column-parallel slices
     concatenated along dim 1 (as in the resume test): the strict load failed (size mismatch,
     (32, 64) for (64, 32))."""
     out = tmp_path / "exported"
@@ -390,19 +447,22 @@ def test_hpsft_export_of_a_tp2_checkpoint_writes_whole_weights(tmp_path, cli_run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # the scratch folder is gone
     figures = export_differences(out, cli_runs)
     print(f"export vs the TP=2 run's own {figures['tp2']:.1e}, vs the one-process run's {figures['one']:.1e}")
-    assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-4, figures
+    assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-6, figures
 
 
 @pytest.mark.slow
-def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs):
-    """The cli_runs config under `hpsft.train_ray` with 2 workers on one node at TP=2 (DP=1,
-    ZeRO-1; its own local Ray instance): the driver loads the global batches for 1 DP rank and
-    deals both TP ranks the same rows, the group's first TP rank reports the counts. Per-step
-    token and loss-token counts equal the one-process run's, loss and unclipped grad norm
-    within 1e-5 (measured 2.9e-8 and 6.5e-7), val loss within 1e-5; the start-up line prints the
-    mesh as SPMD's does and the TP group's ranks share one node; the checkpoint records DP 1 x
-    TP 2; the export at the run's end loads strictly and equals the SPMD TP=2 run's (1e-6;
-    measured 0) and the one-process run's (1e-4, as the CLI test above; measured 4.4e-6).
+@pytest.mark.parametrize("sp", [1, 2])
+def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs, sp):
+    """The cli_runs config under `hpsft.train_ray` on one node at TP=2 (DP=1, ZeRO-1; its own
+    local Ray instance), with 2 workers, and with 4 at TP=2 x SP=2: the driver loads the global
+    batches for 1 DP rank and deals every rank of the group the same rows (each SP rank then
+    trains its half of each row), the group's first TP rank reports the counts. Per-step token
+    and loss-token counts equal the one-process run's, loss and unclipped grad norm within 1e-5
+    (measured 2.9e-8 and 6.5e-7; TP x SP 9.4e-8 and 6.5e-7), val loss within 1e-5; the start-up
+    line prints the mesh as SPMD's does and each TP group's ranks share one node; the checkpoint
+    records DP 1 x TP 2 x SP; the export at the run's end loads strictly and equals the SPMD
+    TP=2 run's and the one-process run's within 1e-6 (measured: at SP=1 0 and 9.9e-8, at TP x SP
+    5.8e-8 and 9.5e-8).
     Planted once each: (1) DataParallelWorker's group size left at SP (each TP rank dealt other
     rows): the run died at its first forward in DeepSpeed's "Data inconsistency within the TP
     group" check, failed; (2) every TP rank reporting its counts (`counted_once` always the
@@ -414,24 +474,29 @@ def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs):
     on_ray, ray_tmp = tmp_path / "ray", tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must be short
     try:
         proc = run_cli("hpsft.train_ray", cli_runs.overrides(on_ray, **{
-            "engine.tensor_parallel_size": 2, "ray.n_workers_per_node": 2, "ray.cpus_per_worker": 0.5}),
+            "engine.tensor_parallel_size": 2, "engine.sequence_parallel_size": sp, "ray.n_workers_per_node": 2 * sp,
+            "ray.cpus_per_worker": 0.5}),
             env={**ray_env(), "RAY_TMPDIR": ray_tmp})
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert ("hpsft: launcher ray: world size 2, 1 node(s), 2 rank(s) per node; mesh DP 1 x TP 2 x SP 1; "
-            "rank 0: dp 0, tp 0, sp 0; rank 1: dp 0, tp 1, sp 0") in proc.stdout
-    assert "hpsft: tensor-parallel groups, each on one node:\n  ranks 0-1: node " in proc.stdout
+    coordinates = "; ".join(Mesh(1, 2, sp, r).coordinates() for r in range(2 * sp))
+    assert (f"hpsft: launcher ray: world size {2 * sp}, 1 node(s), {2 * sp} rank(s) per node; mesh DP 1 x TP 2 x "
+            f"SP {sp}; {coordinates}") in proc.stdout
+    groups = "".join(f"  ranks {r}-{r + 1}: node " for r in range(0, 2 * sp, 2))
+    assert re.sub(r"node \S+ \(\w+\)\n", "node ", proc.stdout.split("tensor-parallel groups, each on one node:\n")[1]
+                  ).startswith(groups), proc.stdout[-3000:]
     m1, on = read_metrics(cli_runs.one), read_metrics(on_ray)
     assert [m["step"] for m in on] == [1, 2, 3] and on[0]["perf/micro_batches_per_rank"] == 2
     assert_same_steps(train_steps(on_ray), train_steps(cli_runs.one), [1, 2, 3], rtol=1e-5)
     assert rel(on[-1]["val/loss"], m1[-1]["val/loss"]) < 1e-5
     # Its checkpoints record the run's layout, which a resume at TP=2 (Ray or SPMD) checks.
     state = CheckpointManager.load_trainer_state(on_ray / "checkpoints" / "global_step_3")
-    assert (state["mode"], state["dp_size"], state["tp_size"]) == ("ray", 1, 2)
+    assert (state["mode"], state["dp_size"], state["tp_size"], state["sp_size"]) == ("ray", 1, 2, sp)
     figures = export_differences(on_ray / "hf", cli_runs)
-    print(f"Ray TP=2 export vs the SPMD TP=2 run's {figures['tp2']:.1e}, vs the one-process run's {figures['one']:.1e}")
-    assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-4, figures
+    print(f"Ray TP=2 x SP={sp} export vs the SPMD TP=2 run's {figures['tp2']:.1e}, vs the one-process run's "
+          f"{figures['one']:.1e}")
+    assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-6, figures
 
 
 @pytest.mark.slow
@@ -455,23 +520,30 @@ def test_one_process_checkpoint_resumes_at_tp2_as_the_straight_run(tmp_path, cli
 
 
 @pytest.mark.slow
-def test_dp2_x_tp2_trains_as_one_process_and_bf16_accumulates_and_reduces_in_fp32(tmp_path):
+def test_dp2_x_tp2_and_tp2_x_sp2_train_as_one_process_and_bf16_accumulates_and_reduces_in_fp32(tmp_path):
     """4 ranks, DP=2 x TP=2 (ZeRO-1), each step's 4 rows dealt 2 per data-parallel rank, the same
     on both TP ranks of a group: three steps of losses and unclipped gradient norms, and the
     final weights gathered whole, equal the independent one-process reference on the same global
-    batch (fp32). The same steps in bf16: before each optimizer step the gradient DeepSpeed holds
-    equals the fp64 sum of the bf16 micro-batch gradients over the micro-batches and the two DP
-    ranks of each TP shard within 1e-6 (test_precision's tolerance: fp32 accumulation and
+    batch (fp32). So does TP=2 x SP=2 (DP=1: every rank gets all 4 rows, SP rank s the s-th half
+    of each row, on 1 of the model's 4 query heads: TP gives each rank 2 of them and Ulysses one
+    of those; its 1 key/value head is repeated to its 2 query heads before the exchange).
+    Planted once: SP groups of consecutive ranks with the SP rank rank % SP (the TP ranks of a
+    group then held other slices): TP x SP losses 1.9e-2 to 1.7e-1 off, failed. The
+    DP=2 x TP=2 steps in bf16: before each optimizer step the gradient DeepSpeed holds equals the
+    fp64 sum of the bf16 micro-batch gradients over the micro-batches and the two DP ranks of each
+    TP shard within 1e-6 (test_precision's tolerance: fp32 accumulation and
     reduction), and the first step's loss and norm are within bf16 rounding of fp32's.
     Planted once: the mesh's DP rank taken from the world rank (rank % DP: the two TP ranks of a
     group dealt different rows): the run died at its first forward in DeepSpeed's "Data
-    inconsistency within the TP group" check, failed. Planted once: bf16 reduction (the engine's communication_data_type "bf16"): accumulation
+    inconsistency within the TP group" check, failed. Planted once: bf16 reduction (the engine's
+    communication_data_type "bf16"): accumulation
     errors 1.7e-3, 1.8e-3, 1.7e-3 against 1.8e-9 at most, failed (in the TP=2 test it moved the
     fp32 runs' grad norms too, by up to 4.1e-3 under ZeRO-2: DeepSpeed casts the gradients to
     that dtype for its reduction, even over one DP rank)."""
     model = tiny_llama(tmp_path / "llama")
     runs = [{"name": "fp32", "model": model, "zero_stage": 1},
-            {"name": "bf16", "model": model, "zero_stage": 1, "dtype": "bfloat16"}]
+            {"name": "bf16", "model": model, "zero_stage": 1, "dtype": "bfloat16"},
+            {"name": "tp2 x sp2", "model": model, "zero_stage": 1, "sp": 2}]
     lengths = [20, 9, 8, 12, 12, 13, 1, 6, 11, 15, 7, 5, 14, 10]
     samples = [sequence(n, seed) for seed, n in enumerate(lengths)]
     steps = [[[0, 1], [2], [3, 4], [5]], [[6, 7], [8], [9], [10]], [[11], [12], [13, 0], [2, 5]]]
@@ -483,22 +555,25 @@ def test_dp2_x_tp2_trains_as_one_process_and_bf16_accumulates_and_reduces_in_fp3
     reference = reference_steps(model, samples, steps, lr)
     fp32, bf16 = results["fp32"], results["bf16"]
     figures = {}  # all measured first: a failure shows every one
-    # The engine's start-up sharding check (the whole model's reference in fp32): fp32, then bf16.
-    figures["fp32 start-up check"], figures["bf16 start-up check"] = map(
+    # The engine's start-up sharding check (the whole model's reference in fp32), run by run.
+    figures["fp32 start-up check"], figures["bf16 start-up check"], figures["tp2 x sp2 start-up check"] = map(
         float, re.findall(r"the whole model's within (\S+)", proc.stdout))
+    for name, run in (("", fp32), ("tp2 x sp2 ", results["tp2 x sp2"])):
+        for step in range(len(steps)):
+            figures[f"{name}step {step + 1} loss"] = rel(run["losses"][step], reference["losses"][step])
+            figures[f"{name}step {step + 1} grad norm"] = rel(run["grad_norms"][step], reference["grad_norms"][step])
+        assert run["weights"].keys() == reference["weights"].keys()
+        figures[f"{name}final weights"] = max(float((run["weights"][k] - w).norm() / w.norm())
+                                              for k, w in reference["weights"].items())
     for step in range(len(steps)):
-        figures[f"step {step + 1} loss"] = rel(fp32["losses"][step], reference["losses"][step])
-        figures[f"step {step + 1} grad norm"] = rel(fp32["grad_norms"][step], reference["grad_norms"][step])
         figures[f"bf16 step {step + 1} accumulation"] = bf16["accumulation_errors"][step]
-    assert fp32["weights"].keys() == reference["weights"].keys()
-    figures["final weights"] = max(float((fp32["weights"][k] - w).norm() / w.norm())
-                                   for k, w in reference["weights"].items())
     figures["bf16 step 1 loss vs fp32"] = rel(bf16["losses"][0], reference["losses"][0])
     figures["bf16 step 1 grad norm vs fp32"] = rel(bf16["grad_norms"][0], reference["grad_norms"][0])
     shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)
     tolerances = {"accumulation": 1e-6, "weights": 1e-4, "vs fp32": 1e-2,  # the weights: see the TP=2 test
-                  "fp32 start-up check": 1e-4, "bf16 start-up check": 5e-2}  # SHARDING_TOLERANCE
+                  "fp32 start-up check": 1e-4, "sp2 start-up check": 1e-4,  # SHARDING_TOLERANCE
+                  "bf16 start-up check": 5e-2}
     assert all(value < next((t for end, t in tolerances.items() if name.endswith(end)), 1e-5)
                for name, value in figures.items()), shown
     assert bf16["weight_dtypes"] == ["torch.bfloat16"]

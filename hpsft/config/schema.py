@@ -243,10 +243,11 @@ class EngineConfig:
     # DeepSpeed's own groups (gradient reduction) keep torch's default (docs/checkpoints.md).
     collective_timeout_s: float = 300.0
     # Ulysses sequence parallelism (docs/sequence_parallel.md): each packed row is cut along its
-    # tokens across this many ranks; the world is data-parallel size x this.
+    # tokens across this many ranks.
     sequence_parallel_size: int = 1
     # Tensor parallelism through DeepSpeed's AutoTP (docs/tensor_parallel.md): each decoder
-    # layer's linear weights are split over this many ranks; the world is data-parallel size x this.
+    # layer's linear weights are split over this many ranks. The world is data-parallel size x
+    # tensor-parallel size x sequence-parallel size (hpsft/utils/distributed.py, Mesh).
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
@@ -274,9 +275,6 @@ class EngineConfig:
             # ZeRO-3's gathers and AutoTP's shards are not tested together here; without ZeRO the
             # engine's own gradient norm (clip_unsharded_grads) would count each rank's shards only.
             raise ValueError(f"{tp} needs engine.zero_stage=1 or 2, got {self.zero_stage}")
-        if self.sequence_parallel_size > 1:
-            raise ValueError(f"{tp} with engine.sequence_parallel_size={self.sequence_parallel_size}: tensor and "
-                             "sequence parallelism together are not supported yet; use one of them")
         if self.offload_optimizer:
             raise ValueError(f"{tp} with engine.offload_optimizer=true is not supported (not tested)")
 

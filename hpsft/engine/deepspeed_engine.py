@@ -15,6 +15,8 @@ group; the data-parallel size of sampling (world / SP) is the trainer's.
 With tensor parallelism (DeepSpeed's AutoTP, docs/tensor_parallel.md) DeepSpeed shards each
 decoder layer's linear weights over the TP group at initialize; its data-parallel group is then
 world / TP (the ranks holding the same shard), over which it averages gradients: `dp_size`.
+With sequence parallelism as well that group holds every DP and SP rank of the shard
+(distributed.Mesh puts SP groups inside it), so the average is over both, as SP needs.
 
 Under bf16 ZeRO-1 DeepSpeed's BF16_Optimizer keeps an fp32 gradient of every parameter, to
 which each backward adds the bf16 `param.grad`. There the fused loss sums d(lm_head.weight) in

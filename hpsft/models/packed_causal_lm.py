@@ -54,12 +54,13 @@ class PackedCausalLM(nn.Module):
         self.output_side = output_side(lm)
         self.sequence_parallel: SequenceParallel | None = None
 
-    def enable_sequence_parallel(self, group, size: int, rank: int) -> None:
+    def enable_sequence_parallel(self, group, size: int, rank: int, tp_size: int = 1) -> None:
         """From now on forward takes one SP rank's slice of each packed row (split_row) and
-        attention runs over the group; call it after any check on whole rows
-        (verify_packed_training), which runs without the group."""
+        attention runs over the group, on this rank's heads (its 1/tp_size share of them under
+        tensor parallelism); call it after any check on whole rows (verify_packed_training,
+        the engine's ShardingCheck), which run without the group."""
         lm = self.lm
-        check_heads(lm.config, size)
+        check_heads(lm.config, size, tp_size)
         inner = lm.config._attn_implementation
         if inner not in INNER_IMPLEMENTATIONS:
             raise UnsupportedModel(

@@ -46,16 +46,18 @@ class SequenceParallel:
     inner: str  # one of INNER_IMPLEMENTATIONS
 
 
-def check_heads(config, sp_size: int) -> None:
-    """Ulysses gives each SP rank whole query heads: their count must divide by SP."""
+def check_heads(config, sp_size: int, tp_size: int = 1) -> None:
+    """Ulysses gives each SP rank whole query heads: their count must divide by SP, and under
+    tensor parallelism each TP rank's share of them (H/TP: AutoTP splits the heads first)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % sp_size:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    if heads % (sp_size * tp_size):
+        divisors = [d for d in range(1, heads // tp_size + 1) if heads % (d * tp_size) == 0]
+        per_tp_rank = f" per tensor-parallel rank ({heads // tp_size} of {heads})" if tp_size > 1 else ""
         raise UserInputError(
             f"engine.sequence_parallel_size={sp_size} does not divide the model's {heads} attention heads "
-            f"({kv_heads} key/value heads): each sequence-parallel rank attends with whole heads; use one of "
-            f"{divisors}"
+            f"({kv_heads} key/value heads){per_tp_rank}: each sequence-parallel rank attends with whole heads; use "
+            f"one of {divisors}"
         )
 
 

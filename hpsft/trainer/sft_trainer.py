@@ -260,18 +260,19 @@ class SFTTrainer:
 
     def refuse_tensor_parallel_resume(self, checkpoint: Path) -> None:
         """Before the model is built: a run with tensor parallelism resumes a checkpoint of its
-        own TP and DP sizes, or one written by one process without TP (whole weights, which each
-        TP rank slices: tested); other layouts are not shown exact yet. Without TP any checkpoint
-        resumes (the engine merges a TP checkpoint's slices through DeepSpeed's universal
-        checkpoint). docs/tensor_parallel.md"""
-        tp = self.config.engine.tensor_parallel_size
+        own TP, DP and SP sizes, or one written by one process without TP (whole weights, which
+        each TP rank slices: tested); other layouts are not shown exact yet. Without TP any
+        checkpoint resumes (the engine merges a TP checkpoint's slices through DeepSpeed's
+        universal checkpoint). docs/tensor_parallel.md"""
+        engine = self.config.engine
+        tp, sp = engine.tensor_parallel_size, engine.sequence_parallel_size
         state = CheckpointManager.load_trainer_state(checkpoint)
-        written_tp, written_dp = state.get("tp_size", 1), state["dp_size"]
-        if tp > 1 and (written_tp, written_dp) not in ((tp, self.dp_size), (1, 1)):
-            raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written_tp} and "
-                                 f"{written_dp} data-parallel ranks, this run has {tp} and {self.dp_size}: a run "
-                                 "with tensor parallelism resumes a checkpoint of the same sizes, or of one "
-                                 "process without it, only")
+        written = (state.get("tp_size", 1), state["dp_size"], state.get("sp_size", 1))
+        if tp > 1 and written not in ((tp, self.dp_size, sp), (1, 1, 1)):
+            raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written[0]}, "
+                                 f"{written[1]} data-parallel ranks and engine.sequence_parallel_size={written[2]}, "
+                                 f"this run has {tp}, {self.dp_size} and {sp}: a run with tensor parallelism "
+                                 "resumes a checkpoint of the same sizes, or of one process without it, only")
 
     def load_checkpoint(self, checkpoint: Path) -> None:
         """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)
@@ -305,6 +306,7 @@ class SFTTrainer:
                 "mode": self.checkpoint_mode,  # what wrote it (any kind of run may resume it)
                 "dp_size": self.dp_size,
                 "tp_size": self.config.engine.tensor_parallel_size,
+                "sp_size": self.config.engine.sequence_parallel_size,
                 "skipped_steps": self.skipped_steps.total,
                 "rng": rng_state(),
             })

@@ -115,10 +115,16 @@ def world_size() -> int:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Where a rank sits when the world is DP x TP x SP. The model-parallel groups (TP or SP,
-    not both yet) are runs of consecutive ranks (the ranks of one node first, where their
-    collectives are cheapest; DeepSpeed's AutoTP mesh is laid out the same way), and the i-th
-    group is data-parallel rank i. Every rank of a group gets the same rows."""
+    """Where a rank sits when the world is DP x TP x SP:
+
+        rank = (dp_rank * SP + sp_rank) * TP + tp_rank
+
+    A TP group is a run of TP consecutive ranks (the ranks of one node first: its collectives run
+    at every layer, forward and backward; DeepSpeed's AutoTP lays out its mesh the same way, so
+    its data-parallel group, the ranks of one TP coordinate, holds every DP and SP rank). An SP
+    group is the SP ranks of one TP coordinate in a DP x TP x SP block, TP apart (consecutive
+    without TP). The i-th block of TP x SP consecutive ranks is data-parallel rank i: every rank
+    of it gets the same rows."""
     dp_size: int
     tp_size: int
     sp_size: int
@@ -134,11 +140,16 @@ class Mesh:
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.group_size if self.tp_size > 1 else 0
+        return self.rank % self.tp_size
 
     @property
     def sp_rank(self) -> int:
-        return self.rank % self.group_size if self.sp_size > 1 else 0
+        return self.rank // self.tp_size % self.sp_size
+
+    def sequence_parallel_ranks(self) -> list[list[int]]:
+        """Every SP group's ranks, in the same order on every rank."""
+        return [[(dp * self.sp_size + sp) * self.tp_size + tp for sp in range(self.sp_size)]
+                for dp in range(self.dp_size) for tp in range(self.tp_size)]
 
     def coordinates(self) -> str:
         return f"rank {self.rank}: dp {self.dp_rank}, tp {self.tp_rank}, sp {self.sp_rank}"
@@ -148,22 +159,17 @@ def mesh(tp_size: int = 1, sp_size: int = 1, of_rank: int | None = None) -> Mesh
     """The mesh of this world and `of_rank`'s place in it (default: this process's)."""
     group = tp_size * sp_size
     if world_size() % group:
-        kind = "tensor" if tp_size > 1 else "sequence"  # one of them at a time (EngineConfig)
-        raise UserInputError(f"engine.{kind}_parallel_size={group} does not divide the world size {world_size()}: "
-                             f"the world is data-parallel size x {kind}-parallel size")
+        sizes = [f"engine.{kind}_parallel_size={size}" for kind, size in (("tensor", tp_size), ("sequence", sp_size))
+                 if size > 1]
+        raise UserInputError(f"{' x '.join(sizes)} does not divide the world size {world_size()}: the world is "
+                             "data-parallel size x tensor-parallel size x sequence-parallel size")
     return Mesh(world_size() // group, tp_size, sp_size, rank() if of_rank is None else of_rank)
 
 
-def sequence_parallel_layout(sp_size: int) -> tuple[int, int, int]:
-    """(dp_rank, dp_size, sp_rank) of this process when the world is dp_size x sp_size (Mesh)."""
-    place = mesh(sp_size=sp_size)
-    return place.dp_rank, place.dp_size, place.sp_rank
-
-
-def sequence_parallel_group(sp_size: int):
+def sequence_parallel_group(place: Mesh):
     """This rank's SP process group (a collective: every rank creates every group)."""
-    groups = [dist.new_group(list(range(first, first + sp_size))) for first in range(0, world_size(), sp_size)]
-    return groups[rank() // sp_size]
+    groups = [(ranks, dist.new_group(ranks)) for ranks in place.sequence_parallel_ranks()]
+    return next(group for ranks, group in groups if place.rank in ranks)
 
 
 def barrier() -> None:

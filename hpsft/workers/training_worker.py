@@ -83,8 +83,8 @@ class TrainingWorker:
             # cuDNN's SDPA builds a graph for every new shape (1.4-1.9 ms of host time a call on
             # an H200, measured): packed rows change shape every step. Flash/efficient instead.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        check_heads(lm.config, self.sp_size)  # before DeepSpeed: a refusal costs nothing yet
-        check_tensor_parallel(lm.config, self.tp_size)
+        check_tensor_parallel(lm.config, self.tp_size)  # before DeepSpeed: a refusal costs nothing yet
+        check_heads(lm.config, self.sp_size, self.tp_size)
         if not verify_in_engine:
             verify_packed_training(lm)
         if cfg.lora.rank:
@@ -99,16 +99,17 @@ class TrainingWorker:
         loss = self.loss_config
         packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
         self.engine.initialize(packed)  # under TP, AutoTP shards the layers here
-        self.tp_rank = distributed.mesh(self.tp_size, self.sp_size).tp_rank
+        place = distributed.mesh(self.tp_size, self.sp_size)
+        self.tp_rank = place.tp_rank
         self.feed = device_feed(self.engine.device)
         if verify_in_engine:  # in the engine's dtype, with that dtype's tolerance
             verify_packed_training(lm, gathered=self.engine.gathered)
         if cfg.tiled_mlp_tokens is not None:  # after the checks above, which compare with the untiled model
             tile_mlps(lm, cfg.tiled_mlp_tokens)
         if self.sp_size > 1:  # after the whole-row checks above, which run without the group
-            _, _, self.sp_rank = distributed.sequence_parallel_layout(self.sp_size)
-            packed.enable_sequence_parallel(distributed.sequence_parallel_group(self.sp_size), self.sp_size,
-                                            self.sp_rank)
+            self.sp_rank = place.sp_rank
+            packed.enable_sequence_parallel(distributed.sequence_parallel_group(place), self.sp_size, self.sp_rank,
+                                            self.tp_size)
         dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
         rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
         self.peak = device_peak(self.peak_flops_per_device, self.engine.device, dtype,

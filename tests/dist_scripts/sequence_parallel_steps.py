@@ -33,9 +33,9 @@ from hpsft.workers.training_worker import token_mean_loss
 
 
 def rank_rows(samples: list[dict], rows: list[list[int]], sp: int, sp_group) -> list[dict]:
-    dp_rank, dp_size, sp_rank = distributed.sequence_parallel_layout(sp)
-    packed = [packed_row(collate_jagged([samples[i] for i in row])) for row in rows[dp_rank::dp_size]]
-    return [split_row(row, sp_rank, sp) for row in packed] if sp > 1 else packed
+    place = distributed.mesh(sp_size=sp)
+    packed = [packed_row(collate_jagged([samples[i] for i in row])) for row in rows[place.dp_rank::place.dp_size]]
+    return [split_row(row, place.sp_rank, sp) for row in packed] if sp > 1 else packed
 
 
 def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) -> dict:
@@ -52,9 +52,10 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
         tile_mlps(model.lm, layout["tiled_mlp_tokens"])
         model.lm.get_decoder().register_forward_pre_hook(lambda *_: forwards.append(1))
         tiled_mlp.agreed_tiles = counted(AGREED_TILES, tile_counts)
-    sp_group = distributed.sequence_parallel_group(sp) if sp > 1 else None
+    place = distributed.mesh(sp_size=sp)
+    sp_group = distributed.sequence_parallel_group(place) if sp > 1 else None
     if sp > 1:
-        model.enable_sequence_parallel(sp_group, sp, distributed.sequence_parallel_layout(sp)[2])
+        model.enable_sequence_parallel(sp_group, sp, place.sp_rank)
     grads = {}
     take_step = engine.engine.step
 

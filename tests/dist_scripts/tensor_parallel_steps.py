@@ -6,9 +6,10 @@ per-step losses and unclipped gradient norms and its final weights, gathered who
 
 SPEC_PT holds {"tp": TP, "lr": float, "sequences": [{input_ids, loss_mask}], "steps": [[row, ...],
 ...] (a row: the sequence indices packed into it), "runs": [{"name", "model": path, "zero_stage",
-optionally "dtype": "bfloat16"}]}. With TP ranks per group there are N/TP data-parallel ranks:
-dp rank d trains rows d, d+N/TP, ... of a step, the same on every TP rank of its group (what
-TrainingWorker does after planning the rows). OUT_PT gets {name: {"losses": [...], "grad_norms":
+optionally "dtype": "bfloat16", "sp": SP}]}. With TP x SP ranks per group there are N/(TP x SP)
+data-parallel ranks (distributed.Mesh): dp rank d trains rows d, d+N/(TP x SP), ... of a step, the
+same on every rank of its group, each SP rank its slice of each row (what TrainingWorker does
+after planning the rows). OUT_PT gets {name: {"losses": [...], "grad_norms":
 [...], "weights": {name: tensor}}}, and for a bf16 run also "weight_dtypes" and
 "accumulation_errors" (one a step, see fp32_accumulation_check). A run with "unsummed": true gets
 the engine's start-up refusal instead (refusal_without_partial_sums). DeepSpeed builds its TP
@@ -24,6 +25,7 @@ from deepspeed.utils import safe_get_full_grad
 from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
+from hpsft.data.sequence_split import split_row
 from hpsft.engine import DeepSpeedEngine, deepspeed_engine
 from hpsft.models import PackedCausalLM, load_causal_lm, weight_names
 from hpsft.models.families import UnsupportedModel
@@ -67,24 +69,30 @@ def fp32_accumulation_check(engine) -> list[float]:
 
 
 def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
-    tp, dtype = spec["tp"], run_spec.get("dtype", "float32")
+    tp, sp, dtype = spec["tp"], run_spec.get("sp", 1), run_spec.get("dtype", "float32")
     config = load_config(None, [f"model.path={run_spec['model']}", f"engine.zero_stage={run_spec['zero_stage']}",
-                                f"engine.tensor_parallel_size={tp}", f"engine.dtype={dtype}", f"optim.lr={spec['lr']}",
-                                "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
+                                f"engine.tensor_parallel_size={tp}", f"engine.sequence_parallel_size={sp}",
+                                f"engine.dtype={dtype}", f"optim.lr={spec['lr']}", "optim.warmup_ratio=0",
+                                "optim.lr_scheduler=constant"])
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]))
     lm = load_causal_lm(config.model.path)
     check_tensor_parallel(lm.config, tp)
-    engine.initialize(PackedCausalLM(lm))
+    model = PackedCausalLM(lm)
+    engine.initialize(model)
     accumulation_errors = fp32_accumulation_check(engine) if dtype == "bfloat16" else None
-    place = distributed.mesh(tp_size=tp)
+    place = distributed.mesh(tp, sp)
+    if sp > 1:  # after the engine's start-up check, which runs on whole rows
+        model.enable_sequence_parallel(distributed.sequence_parallel_group(place), sp, place.sp_rank, tp)
     losses, grad_norms = [], []
     for rows in spec["steps"]:
         total = loss_token_count(collate_jagged([samples[i] for row in rows for i in row]))
         mine = [packed_row(collate_jagged([samples[i] for i in row])) for row in rows[place.dp_rank::place.dp_size]]
+        if sp > 1:
+            mine = [split_row(row, place.sp_rank, sp) for row in mine]
         result = engine.train_batch(mine, lambda out: token_mean_loss(out, total))
         nll = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]) if place.tp_rank == 0 else 0.0,
                            dtype=torch.float64)
-        dist.all_reduce(nll)  # each data-parallel rank's rows, counted once per TP group
+        dist.all_reduce(nll)  # each data-parallel rank's rows (each SP rank's slices), counted once per TP group
         losses.append(float(nll) / total)
         grad_norms.append(result["grad_norm"])
     weights = dict(engine.gathered_tensors(weight_names(lm)))
