@@ -23,6 +23,7 @@ from hpsft.utils.distributed import Mesh, mesh
 from hpsft.config.load import ConfigError
 from hpsft.utils.errors import UserInputError
 from hpsft.models.tensor_parallel import check_tensor_parallel
+from hpsft.models.ulysses_attention import check_heads
 from hpsft.trainer.checkpoint import CheckpointManager
 from tests.conftest import (REPO, assert_same_steps, base_overrides, ray_env, read_metrics, run_cli, train_steps,
                             write_parquet)
@@ -111,6 +112,17 @@ def test_a_model_tensor_parallelism_cannot_split_exactly_is_refused(config, mess
     with pytest.raises(UserInputError, match=r"engine.tensor_parallel_size=2" + ".*" + message):
         check_tensor_parallel(config, 2)
     check_tensor_parallel(config, 1)
+
+
+def test_sp_must_divide_each_tp_ranks_heads():
+    """Under TP x SP Ulysses exchanges a TP rank's H/TP heads: SP must divide those."""
+    config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=64)
+    with pytest.raises(UserInputError, match=r"engine.sequence_parallel_size=4 does not divide the model's 8 attention "
+                                             r"heads \(2 key/value heads\) per tensor-parallel rank \(2 of 8\).*"
+                                             r"use one of \[1, 2\]"):
+        check_heads(config, 4, tp_size=4)
+    check_heads(config, 4, tp_size=2)
+    check_heads(config, 2, tp_size=4)
 
 
 def test_the_mesh_puts_a_tp_group_on_consecutive_ranks_and_refuses_a_size_not_dividing_the_world():
@@ -341,14 +353,15 @@ def cli_runs(tmp_path_factory, model_path, chat_rows):
 
 
 @pytest.mark.slow
-def test_tp2_x_sp2_cli_run_equals_one_process_and_resumes_its_own_sizes(tmp_path, cli_runs):
+def test_tp2_x_sp2_cli_run_equals_one_process_and_resumes_its_own_and_tp2_checkpoints(tmp_path, cli_runs):
     """The real CLI over 4 ranks at TP=2 x SP=2 (DP=1, ZeRO-1): every rank plans the same packed
     rows, SP rank s trains the s-th half of each on 1 of the model's 4 query heads (TP 2 of
     them, Ulysses 1 of those). Against the one-process run of the same config: per-step token
     and loss-token counts equal, loss, unclipped grad norm and val loss within 1e-5, and the
     start-up line gives each rank's coordinates (SP groups TP apart: ranks 0 and 2, 1 and 3).
-    Its step-1 checkpoint resumed at the same sizes trains steps 2-3 as the straight run; the
-    TP=2 run's checkpoint (SP=1) at TP=2 x SP=2 is refused by name (not shown exact).
+    Its step-1 checkpoint resumed at the same sizes trains steps 2-3 as the straight run (the
+    native load), and so does the TP=2 run's step-1 checkpoint (DP=1, SP=1: one ZeRO shard per TP
+    rank, for DeepSpeed's data-parallel group of 2 here; through the universal conversion).
     Planted once: the worker's step loss-token count divided by TP only, not TP x SP (counted
     twice over the SP group): grad norms 0.5x, failed."""
     out, overrides = tmp_path / "tp2_sp2", cli_runs.overrides
@@ -365,12 +378,13 @@ def test_tp2_x_sp2_cli_run_equals_one_process_and_resumes_its_own_sizes(tmp_path
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert [m["step"] for m in read_metrics(resumed)] == [2, 3]
     assert_same_steps(train_steps(resumed), train_steps(out), [2, 3], rtol=1e-6)
-    tp2_checkpoint = cli_runs.tp2 / "checkpoints" / "global_step_1"
-    proc = run_cli("hpsft.train", overrides(tmp_path / "refused", **sizes, **{"trainer.resume": tp2_checkpoint}),
-                   nproc=4)
-    assert proc.returncode != 0 and (
-        f"hpsft: error: {tp2_checkpoint} was written with engine.tensor_parallel_size=2, 1 data-parallel ranks "
-        "and engine.sequence_parallel_size=1, this run has 2, 1 and 2") in proc.stderr, proc.stderr[-3000:]
+    from_tp2 = tmp_path / "from_tp2"
+    proc = run_cli("hpsft.train", overrides(from_tp2, **sizes, **{
+        "trainer.resume": cli_runs.tp2 / "checkpoints" / "global_step_1"}), nproc=4)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "converted to DeepSpeed's universal checkpoint" in proc.stdout
+    assert [m["step"] for m in read_metrics(from_tp2)] == [2, 3]
+    assert_same_steps(train_steps(from_tp2), train_steps(out), [2, 3], rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -382,8 +396,8 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
     their fp32 master weights and AdamW moments, and steps 2 and 3 equal the straight
     one-process run's (counts equal; loss and unclipped grad norm within 1e-5, as TP=2 vs one
     process; measured in the printed line). The run fingerprint records the TP size and a
-    resume with another does not count it as another run. The DP=2 run's checkpoint resumed at
-    TP=2 (DP=1) is refused by name (not shown exact).
+    resume with another does not count it as another run. The other way, the DP=2 run's step-2
+    checkpoint (2 ZeRO shards) resumed at TP=2 (DP=1) trains step 3 as the one-process run.
     Planted once each (in hpsft's to_universal, on the merged files): (1) gate_proj's
     column-parallel slices concatenated along dim 1, not 0 (same numel: the one-process load's
     view_as takes it silently): one process failed at step 2, loss 6.0e-4 and grad norm
@@ -391,8 +405,7 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
     q/k/v/o/gate/up/down_proj for both ranks): step 2 still equal (the moments move the weights
     from step 2 on), step 3 loss 5.2e-4 and grad norm 2.9e-2 off, both cases failed; (3) the
     TP size compared on resume (LAYOUT_KEYS empty): refused, "belongs to a different run:
-    engine.tensor_parallel_size: 2 -> 1", failed; (4) the trainer's refusal removed: the DP=2
-    checkpoint resumed at TP=2 ran to its end (numbers not compared), failed."""
+    engine.tensor_parallel_size: 2 -> 1", failed."""
     checkpoint = cli_runs.tp2 / "checkpoints" / "global_step_1"
     fingerprint = json.loads((checkpoint / "run_fingerprint.json").read_text())
     assert fingerprint["engine.tensor_parallel_size"] == 2
@@ -408,15 +421,14 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
     assert rel(read_metrics(out)[-1]["val/loss"], read_metrics(cli_runs.one)[-1]["val/loss"]) < 1e-5
     resumed_fingerprint = json.loads((out / "checkpoints" / "global_step_3" / "run_fingerprint.json").read_text())
     assert resumed_fingerprint["engine.tensor_parallel_size"] == 1
-    if nproc == 2:  # a DP=2 checkpoint at TP=2 (2 ranks: DP=1) is not shown exact: refused by name
-        dp2_checkpoint = out / "checkpoints" / "global_step_2"
-        proc = run_cli("hpsft.train", cli_runs.overrides(tmp_path / "tp2_from_dp2", **{
+    if nproc == 2:  # and back: the DP=2 run's step-2 checkpoint at TP=2 (2 ranks: DP=1)
+        dp2_checkpoint, tp2_from_dp2 = out / "checkpoints" / "global_step_2", tmp_path / "tp2_from_dp2"
+        proc = run_cli("hpsft.train", cli_runs.overrides(tp2_from_dp2, **{
             "trainer.resume": dp2_checkpoint, "engine.tensor_parallel_size": 2}), nproc=2)
-        assert proc.returncode != 0 and (
-            f"hpsft: error: {dp2_checkpoint} was written with engine.tensor_parallel_size=1, 2 data-parallel "
-            "ranks and engine.sequence_parallel_size=1, this run has 2, 1 and 1: a run with tensor parallelism "
-            "resumes a checkpoint of the same sizes, or of one process without it, only") in proc.stderr, \
-            proc.stderr[-3000:]
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        assert "converted to DeepSpeed's universal checkpoint" in proc.stdout
+        assert [m["step"] for m in read_metrics(tp2_from_dp2)] == [3]
+        assert_same_steps(train_steps(tp2_from_dp2), train_steps(cli_runs.one), [3], rtol=1e-5)
 
 
 def export_differences(folder, cli_runs) -> dict[str, float]:

@@ -98,8 +98,6 @@ class SFTTrainer:
         self.fingerprint = run_fingerprint(config, self.tokenizer) if self.rank == 0 else None
         self.checkpoints = CheckpointManager(self.run_dir)
         resume_from = self.find_checkpoint()
-        if resume_from is not None:
-            self.refuse_tensor_parallel_resume(resume_from)
 
         self.worker = self.build_worker()
         self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
@@ -257,22 +255,6 @@ class SFTTrainer:
             "settings, start a new run in another trainer.output_dir, or set trainer.resume_force=true to "
             "continue from it anyway"
         )
-
-    def refuse_tensor_parallel_resume(self, checkpoint: Path) -> None:
-        """Before the model is built: a run with tensor parallelism resumes a checkpoint of its
-        own TP, DP and SP sizes, or one written by one process without TP (whole weights, which
-        each TP rank slices: tested); other layouts are not shown exact yet. Without TP any
-        checkpoint resumes (the engine merges a TP checkpoint's slices through DeepSpeed's
-        universal checkpoint). docs/tensor_parallel.md"""
-        engine = self.config.engine
-        tp, sp = engine.tensor_parallel_size, engine.sequence_parallel_size
-        state = CheckpointManager.load_trainer_state(checkpoint)
-        written = (state.get("tp_size", 1), state["dp_size"], state.get("sp_size", 1))
-        if tp > 1 and written not in ((tp, self.dp_size, sp), (1, 1, 1)):
-            raise UserInputError(f"{checkpoint} was written with engine.tensor_parallel_size={written[0]}, "
-                                 f"{written[1]} data-parallel ranks and engine.sequence_parallel_size={written[2]}, "
-                                 f"this run has {tp}, {self.dp_size} and {sp}: a run with tensor parallelism "
-                                 "resumes a checkpoint of the same sizes, or of one process without it, only")
 
     def load_checkpoint(self, checkpoint: Path) -> None:
         """Any checkpoint of this run, whatever the data-parallel size and kind (SPMD or Ray)
