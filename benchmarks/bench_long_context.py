@@ -120,7 +120,7 @@ def measure(args) -> None:
     from hpsft.config import load_config
     from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
     from hpsft.data.sequence_split import split_row
-    from hpsft.engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
     from hpsft.models import PackedCausalLM, load_causal_lm
     from hpsft.models.tiled_mlp import tile_mlps
     from hpsft.workers.training_worker import token_mean_loss

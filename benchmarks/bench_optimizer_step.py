@@ -42,7 +42,7 @@ def main() -> None:
     from hpsft.utils import distributed
     from hpsft.config.schema import EngineConfig, OptimConfig
     from hpsft.data.batch import collate_jagged, packed_row
-    from hpsft.engine.deepspeed_engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
     from hpsft.models import PackedCausalLM, load_causal_lm
 
     class EngineWithAdamW(DeepSpeedEngine):

@@ -71,7 +71,7 @@ def timed(obj, name: str, part: str, times: dict) -> None:
 
 def build_engine(variant: str, model: str):
     from hpsft.config.schema import EngineConfig, OptimConfig
-    from hpsft.engine.deepspeed_engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
     from hpsft.models import PackedCausalLM, load_causal_lm
 
     stage, forced_stage, zero_overrides = VARIANTS[variant]

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from hpsft.config.schema import EngineConfig, OptimConfig
-from hpsft.engine.deepspeed_engine import GPU_ZERO_COMMUNICATION, DeepSpeedEngine
+from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.engine.deepspeed.config import GPU_ZERO_COMMUNICATION
 from hpsft.engine.grad_norm import global_grad_norm
 from tests.conftest import REPO, run_cli, write_tiny_llama
 

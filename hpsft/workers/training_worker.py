@@ -28,6 +28,7 @@ from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verif
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
+from hpsft.models.partitioned import is_partitioned
 from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.models.ulysses_attention import check_heads
@@ -64,20 +65,20 @@ class TrainingWorker:
         self.tp_size = engine_config.tensor_parallel_size
         self.tp_rank = 0  # set in init_model too
         self.feed: DeviceFeed | None = None  # what the rows are built in: set in init_model, from the engine's device
+        self.lm = None  # the Hugging Face model init_model builds (the engine trains it inside PackedCausalLM)
 
     def init_model(self) -> None:
         cfg = self.model_config
         # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of it.
-        partitioned_config = self.engine.partitioned_init_config()
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
-                            zero3_config=partitioned_config)
+                            model_init=self.engine.model_init)
         check_supported(lm, lm.config._attn_implementation)
         # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
         # those are checked once the engine has moved (and cast) the weights; every other model
         # here, in fp32 before DeepSpeed casts the weights for bf16 (a tighter tolerance).
         # hpsft_varlen on a GPU runs torch's varlen flash kernel only in 16-bit: checked in the engine too.
         attention = lm.config._attn_implementation
-        verify_in_engine = partitioned_config is not None or attention == "flash_attention_2" or (
+        verify_in_engine = is_partitioned(lm) or attention == "flash_attention_2" or (
             attention == ATTN_IMPLEMENTATION and torch.cuda.is_available())
         if torch.cuda.is_available():
             # cuDNN's SDPA builds a graph for every new shape (1.4-1.9 ms of host time a call on
@@ -98,7 +99,8 @@ class TrainingWorker:
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
         packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
-        self.engine.initialize(packed)  # under TP, AutoTP shards the layers here
+        self.engine.initialize(packed, head_weight=packed.head_weight)  # under TP, AutoTP shards the layers here
+        self.lm = lm
         place = distributed.mesh(self.tp_size, self.sp_size)
         self.tp_rank = place.tp_rank
         self.feed = device_feed(self.engine.device)
@@ -167,7 +169,7 @@ class TrainingWorker:
         # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out).
         flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
                             loss_token_count(batch)) / (self.sp_size * self.tp_size)
-        outputs = result["outputs"]
+        outputs = result.outputs
         nll_sum = sum(float(o["nll"]) for o in outputs)
         loss_tokens = sum(int(o["n_tokens"]) for o in outputs)  # this rank's (with SP: its slices')
         source_nll_sums, source_loss_tokens = (self.source_sums(batch, bins, outputs) if self.n_sources > 1
@@ -188,8 +190,8 @@ class TrainingWorker:
             peak_flops=self.peak.covering(flops / seconds),
             rss_anon_bytes=rss_anon_bytes(),
             micro_batches=len(rows),
-            grad_norm=result["grad_norm"],
-            lr=result["lr"],
+            grad_norm=result.grad_norm,
+            lr=result.lr,
         ).counted_once(first_tp_rank=self.tp_rank == 0)
 
     def source_sums(self, batch, bins: list[list[int]], outputs: list[dict]) -> tuple[list[float], list[float]]:
@@ -244,7 +246,7 @@ class TrainingWorker:
         as the engine hands it one whole tensor at a time (gathered under ZeRO-3), with a
         progress bar if `progress`; a collective, every rank calls it. A LoRA model is written
         merged, and its adapter alone (PEFT's format) goes to <out_dir>/adapter."""
-        lm = self.engine.module.lm
+        lm = self.lm
         lora = self.model_config.lora.rank > 0
         names = weight_names(lm)
         tensors = self.engine.gathered_tensors(names)

@@ -15,7 +15,7 @@ import torch
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.utils.distributed import init_distributed
-from hpsft.engine import DeepSpeedEngine
+from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.engine.optimizer import lr_lambda, param_groups
 from hpsft.models import PackedCausalLM, load_causal_lm
 
@@ -59,7 +59,7 @@ def built_engine(model: str, stage: str) -> DeepSpeedEngine:
 
 def stepped(engine: DeepSpeedEngine, steps: list) -> dict:
     """The engine's gradient norms over `steps`, its weights after them and the stage it ran."""
-    norms = [engine.train_batch(rows, lambda out: out["loss"] / tokens)["grad_norm"] for rows, tokens in steps]
+    norms = [engine.train_batch(rows, lambda out: out["loss"] / tokens).grad_norm for rows, tokens in steps]
     weights = {name: tensor.clone() for name, tensor in engine.gathered_tensors(
         [name for name, _ in engine.module.named_parameters()])}
     return {"grad_norms": norms, "weights": weights, "deepspeed_stage": engine.engine.zero_optimization_stage()}

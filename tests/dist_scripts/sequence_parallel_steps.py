@@ -25,7 +25,7 @@ from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.data.sequence_split import split_row
-from hpsft.engine import DeepSpeedEngine
+from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.models import tiled_mlp
 from hpsft.models.tiled_mlp import tile_mlps
@@ -70,7 +70,7 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
     for rows in steps:
         total = loss_token_count(collate_jagged([samples[i] for row in rows for i in row]))
         result = engine.train_batch(rank_rows(samples, rows, sp, sp_group), lambda out: token_mean_loss(out, total))
-        nll = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]), dtype=torch.float64)
+        nll = torch.tensor(sum(float(o["nll"]) for o in result.outputs), dtype=torch.float64)
         dist.all_reduce(nll)  # every rank's share: its slices of its rows
         losses.append(float(nll) / total)
     return {"losses": losses, "grads": grads, "forwards": len(forwards), "tile_counts": len(tile_counts)}

@@ -26,7 +26,8 @@ from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.data.sequence_split import split_row
-from hpsft.engine import DeepSpeedEngine, deepspeed_engine
+from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.engine.deepspeed import engine as deepspeed_engine
 from hpsft.models import PackedCausalLM, load_causal_lm, weight_names
 from hpsft.models.families import UnsupportedModel
 from hpsft.models.tensor_parallel import check_tensor_parallel
@@ -90,11 +91,11 @@ def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
         if sp > 1:
             mine = [split_row(row, place.sp_rank, sp) for row in mine]
         result = engine.train_batch(mine, lambda out: token_mean_loss(out, total))
-        nll = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]) if place.tp_rank == 0 else 0.0,
+        nll = torch.tensor(sum(float(o["nll"]) for o in result.outputs) if place.tp_rank == 0 else 0.0,
                            dtype=torch.float64)
         dist.all_reduce(nll)  # each data-parallel rank's rows (each SP rank's slices), counted once per TP group
         losses.append(float(nll) / total)
-        grad_norms.append(result["grad_norm"])
+        grad_norms.append(result.grad_norm)
     weights = dict(engine.gathered_tensors(weight_names(lm)))
     result = {"losses": losses, "grad_norms": grad_norms, "weights": weights}
     if accumulation_errors is not None:
