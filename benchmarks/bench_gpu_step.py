@@ -65,6 +65,7 @@ def build_engine(shape: str, dtype: str, device: torch.device):
 
     from hpsft.config.schema import EngineConfig, OptimConfig
     from hpsft.engine.deepspeed import DeepSpeedEngine
+    from hpsft.utils.distributed import Mesh
     from hpsft.models import PackedCausalLM
     from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
@@ -73,7 +74,8 @@ def build_engine(shape: str, dtype: str, device: torch.device):
     torch.manual_seed(0)
     with device:  # random init on the device: seconds on a GPU, not minutes on its host
         lm = LlamaForCausalLM(config)
-    engine = DeepSpeedEngine(EngineConfig(zero_stage=1, dtype=dtype), OptimConfig(), total_steps=1000)
+    engine = DeepSpeedEngine(EngineConfig(zero_stage=1, dtype=dtype), OptimConfig(), total_steps=1000,
+                             mesh=Mesh(dp_size=1))  # one process
     engine.initialize(PackedCausalLM(lm))
     return engine, lm
 

@@ -143,7 +143,7 @@ def worker(args) -> None:
     with device:
         lm = LlamaForCausalLM(lm_config)
     parameters = sum(p.numel() for p in lm.parameters())
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1000)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1000, mesh=distributed.mesh(config.engine))
     engine.initialize(PackedCausalLM(lm))
     counted = {}
     optimizer_step = engine.engine.optimizer.step

@@ -7,6 +7,7 @@ import pytest
 from hpsft.config import load_config
 from hpsft.engine import TrainEngine, build_engine
 from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.utils.distributed import Mesh
 from hpsft.utils.errors import UserInputError
 from tests.conftest import REPO
 
@@ -15,14 +16,14 @@ def test_an_unknown_engine_name_is_refused_naming_the_known_ones():
     """Planted: engine_class returning ENGINES.get(name) (None, then a TypeError when called) fails it."""
     config = load_config(None, ["engine.name=fsdp2"])
     with pytest.raises(UserInputError) as refused:
-        build_engine(config.engine, config.optim, total_steps=10)
+        build_engine(config.engine, config.optim, total_steps=10, mesh=Mesh(dp_size=1))
     assert str(refused.value) == "engine.name='fsdp2' is not an engine hpsft has: use one of deepspeed"
 
 
 def test_the_default_engine_is_deepspeed():
     config = load_config(None, [])
     assert config.engine.name == "deepspeed"
-    assert type(build_engine(config.engine, config.optim, total_steps=10)) is DeepSpeedEngine
+    assert type(build_engine(config.engine, config.optim, total_steps=10, mesh=Mesh(dp_size=1))) is DeepSpeedEngine
 
 
 def engine_members_used(path) -> set[str]:

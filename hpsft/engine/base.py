@@ -13,6 +13,8 @@ import torch
 
 from torch import nn
 
+from hpsft.utils.distributed import Mesh
+
 
 @dataclass(frozen=True)
 class EngineStep:
@@ -25,8 +27,9 @@ class EngineStep:
 
 class TrainEngine(ABC):
     @abstractmethod
-    def __init__(self, engine_config, optim_config, total_steps: int):
-        """The config sections `engine` and `optim`, and the run's optimizer steps (the LR schedule's length)."""
+    def __init__(self, engine_config, optim_config, total_steps: int, mesh: Mesh):
+        """The config sections `engine` and `optim`, the run's optimizer steps (the LR schedule's
+        length), and this rank's place in the run's layout (built once at start-up)."""
 
     @abstractmethod
     def model_init(self) -> AbstractContextManager[bool]:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from hpsft.engine.base import TrainEngine
 from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.utils.distributed import Mesh
 from hpsft.utils.errors import UserInputError
 
 ENGINES: dict[str, type[TrainEngine]] = {"deepspeed": DeepSpeedEngine}
@@ -18,9 +19,10 @@ def engine_class(name: str) -> type[TrainEngine]:
     return ENGINES[name]
 
 
-def build_engine(engine_config, optim_config, total_steps: int) -> TrainEngine:
-    """The engine engine_config.name names, for a run of `total_steps` optimizer steps."""
-    return engine_class(engine_config.name)(engine_config, optim_config, total_steps)
+def build_engine(engine_config, optim_config, total_steps: int, mesh: Mesh) -> TrainEngine:
+    """The engine engine_config.name names, for a run of `total_steps` optimizer steps, on this
+    rank of `mesh`."""
+    return engine_class(engine_config.name)(engine_config, optim_config, total_steps, mesh)
 
 
 def checkpoint_weights(folder: Path, scratch: Path) -> Mapping:

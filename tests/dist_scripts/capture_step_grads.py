@@ -23,7 +23,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.utils.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed, mesh
 from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.workers.training_worker import token_mean_loss
@@ -36,7 +36,7 @@ def rank_rows(samples: list[dict], micro_batches: int) -> list[dict]:
 
 
 def one_step(config, rows: list[dict], global_loss_tokens: int) -> dict:
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1, mesh=mesh(config.engine))
     engine.initialize(PackedCausalLM(load_causal_lm(config.model.path)))
     grads = {}
     take_step = engine.engine.step

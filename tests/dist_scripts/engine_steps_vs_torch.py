@@ -14,7 +14,7 @@ import torch
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.utils.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed, mesh
 from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.engine.optimizer import lr_lambda, param_groups
 from hpsft.models import PackedCausalLM, load_causal_lm
@@ -48,11 +48,12 @@ class EngineAtDeepSpeedStage(DeepSpeedEngine):
 
 def built_engine(model: str, stage: str) -> DeepSpeedEngine:
     if stage.startswith("ds"):
-        engine = EngineAtDeepSpeedStage(int(stage[2:]), EngineConfig(zero_stage=max(1, int(stage[2:]))), OPTIM,
-                                        total_steps=STEPS)
+        engine_config = EngineConfig(zero_stage=max(1, int(stage[2:])))
+        engine = EngineAtDeepSpeedStage(int(stage[2:]), engine_config, OPTIM, total_steps=STEPS,
+                                        mesh=mesh(engine_config))
     else:
-        engine = DeepSpeedEngine(EngineConfig(zero_stage=2 if stage == "default" else int(stage)), OPTIM,
-                                 total_steps=STEPS)
+        engine_config = EngineConfig(zero_stage=2 if stage == "default" else int(stage))
+        engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=STEPS, mesh=mesh(engine_config))
     engine.initialize(PackedCausalLM(load_causal_lm(model)))
     return engine
 

@@ -23,7 +23,7 @@ from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
-from hpsft.utils.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed, mesh
 from hpsft.workers.training_worker import token_mean_loss
 
 STEPS = 3
@@ -64,7 +64,8 @@ def poisoned_loss(body_param: torch.Tensor, outputs: dict, global_loss_tokens: i
 
 
 def built(model: str, **engine) -> DeepSpeedEngine:
-    built_engine = DeepSpeedEngine(EngineConfig(**engine), OPTIM, total_steps=STEPS)
+    engine_config = EngineConfig(**engine)
+    built_engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=STEPS, mesh=mesh(engine_config))
     packed = PackedCausalLM(load_causal_lm(model))
     built_engine.initialize(packed, head_weight=packed.head_weight)  # as TrainingWorker hands it
     return built_engine

@@ -24,7 +24,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import IGNORE_INDEX, shifted_labels
-from hpsft.utils.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed, mesh
 from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.workers.training_worker import token_mean_loss
@@ -47,7 +47,8 @@ def master_weights(engine: DeepSpeedEngine) -> dict:
 
 
 def run_segment(model: str, steps: list[list[dict]], segment: dict) -> dict:
-    engine = DeepSpeedEngine(EngineConfig(**segment["engine"]), OPTIM, total_steps=TOTAL_STEPS)
+    engine_config = EngineConfig(**segment["engine"])
+    engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=TOTAL_STEPS, mesh=mesh(engine_config))
     engine.initialize(PackedCausalLM(load_causal_lm(model, model_init=engine.model_init)))
     if segment["load"]:
         engine.load_checkpoint(*segment["load"])

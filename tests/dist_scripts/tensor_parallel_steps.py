@@ -75,13 +75,13 @@ def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
                                 f"engine.tensor_parallel_size={tp}", f"engine.sequence_parallel_size={sp}",
                                 f"engine.dtype={dtype}", f"optim.lr={spec['lr']}", "optim.warmup_ratio=0",
                                 "optim.lr_scheduler=constant"])
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]))
+    place = distributed.mesh(config.engine)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]), mesh=place)
     lm = load_causal_lm(config.model.path)
     check_tensor_parallel(lm.config, tp)
     model = PackedCausalLM(lm)
     engine.initialize(model)
     accumulation_errors = fp32_accumulation_check(engine) if dtype == "bfloat16" else None
-    place = distributed.mesh(tp, sp)
     if sp > 1:  # after the engine's start-up check, which runs on whole rows
         model.enable_sequence_parallel(distributed.sequence_parallel_group(place), sp, place.sp_rank, tp)
     losses, grad_norms = [], []
@@ -110,7 +110,7 @@ def refusal_without_partial_sums(spec: dict, run_spec: dict) -> str:
     the refusal's message ("" if the engine started)."""
     config = load_config(None, [f"model.path={run_spec['model']}", f"engine.zero_stage={run_spec['zero_stage']}",
                                 f"engine.tensor_parallel_size={spec['tp']}"])
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1, mesh=distributed.mesh(config.engine))
     summed = deepspeed_engine.sum_partial_gradients_over_tp
     deepspeed_engine.sum_partial_gradients_over_tp = lambda module, group: None
     try:

@@ -66,7 +66,7 @@ def main() -> None:
     sampler = PeakSampler()
     memory = {"framework": sampler.end_phase()["end"]}
     worker = TrainingWorker(config.model, config.loss, config.engine, config.optim, config.data, total_steps=1,
-                            peak_flops=1e12)
+                            mesh=distributed.mesh(config.engine), peak_flops=1e12)
     engine = worker.engine
     lm = load_causal_lm(config.model.path, model_init=engine.model_init)
     memory["model_built"] = sampler.end_phase()

@@ -31,8 +31,9 @@ def zero_stage_to_run(engine_config, one_process: bool) -> int:
     return engine_config.zero_stage
 
 
-def deepspeed_config(engine_config, optim_config, stage: int, on_cuda: bool) -> dict:
-    """DeepSpeed's config for ZeRO stage `stage`; `on_cuda`: with the GPU-only settings."""
+def deepspeed_config(engine_config, optim_config, stage: int, tp_size: int, on_cuda: bool) -> dict:
+    """DeepSpeed's config for ZeRO stage `stage` and AutoTP over `tp_size` ranks; `on_cuda`: with
+    the GPU-only settings."""
     zero = {"stage": stage}
     if on_cuda and stage > 0:
         zero.update(GPU_ZERO_COMMUNICATION)
@@ -40,7 +41,6 @@ def deepspeed_config(engine_config, optim_config, stage: int, on_cuda: bool) -> 
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
     if engine_config.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_cuda}
-    tp_size = engine_config.tensor_parallel_size
     tensor_parallel = {"tensor_parallel": {"autotp_size": tp_size}} if tp_size > 1 else {}
     return tensor_parallel | {
         "train_micro_batch_size_per_gpu": 1,

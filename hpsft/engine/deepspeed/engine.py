@@ -8,14 +8,12 @@ the caller normalises (by the token count of the whole step) inside its loss.
 With sequence parallelism every rank of an SP group holds the same weights and computes the
 gradient of its own token slice: the step's gradient is the sum over *every* rank, so
 DeepSpeed's data-parallel group here is the whole world (ZeRO shards its state over all
-ranks too, as DeepSpeed's own sequence-data-parallel group does). `dp_size` below is that
-group; the data-parallel size of sampling (world / SP) is the trainer's.
-
-With tensor parallelism (DeepSpeed's AutoTP, docs/tensor_parallel.md) DeepSpeed shards each
-decoder layer's linear weights over the TP group at initialize; its data-parallel group is then
-world / TP (the ranks holding the same shard), over which it averages gradients: `dp_size`.
-With sequence parallelism as well that group holds every DP and SP rank of the shard
-(distributed.Mesh puts SP groups inside it), so the average is over both, as SP needs.
+ranks too, as DeepSpeed's own sequence-data-parallel group does). With tensor parallelism
+(DeepSpeed's AutoTP, docs/tensor_parallel.md) DeepSpeed shards each decoder layer's linear
+weights over the TP group at initialize; its data-parallel group is then the ranks holding the
+same shard, every DP and SP rank of one TP coordinate (distributed.Mesh puts SP groups inside
+it), over which it averages gradients, as SP needs: that group is `dp_size` below, the mesh's
+weight_replicas (DP x SP). The data-parallel size of sampling (DP) is the trainer's.
 
 Checkpoints: checkpoint.py (save, and load from any layout), layout.py (DeepSpeed's files),
 universal.py (conversions across layouts), weights.py (the weights alone, for export).
@@ -41,6 +39,7 @@ from hpsft.engine.deepspeed.weights import fp32_weights
 from hpsft.engine.grad_norm import global_grad_norm
 from hpsft.engine.optimizer import adamw, lr_scheduler
 from hpsft.models.tensor_parallel import ShardingCheck, sum_partial_gradients_over_tp
+from hpsft.utils.distributed import Mesh
 
 
 def detached(outputs: dict) -> dict:
@@ -48,11 +47,12 @@ def detached(outputs: dict) -> dict:
 
 
 class DeepSpeedEngine(TrainEngine):
-    def __init__(self, engine_config, optim_config, total_steps: int):
+    def __init__(self, engine_config, optim_config, total_steps: int, mesh: Mesh):
         self.config = engine_config
         self.optim = optim_config
         self.total_steps = total_steps
-        self.tp_size = engine_config.tensor_parallel_size
+        self.mesh = mesh
+        self.tp_size = mesh.tp_size
         self.engine = None  # DeepSpeed's, from initialize
         self.head_weight: nn.Parameter | None = None  # the fused loss's LM-head weight, from initialize
         # The GPU-only settings (deepspeed_config, build_optimizer) follow this; tests set it
@@ -61,14 +61,14 @@ class DeepSpeedEngine(TrainEngine):
 
     def zero_stage_to_run(self) -> int:
         """The ZeRO stage DeepSpeed runs (config.zero_stage_to_run)."""
-        return zero_stage_to_run(self.config, one_process=dist.is_initialized() and dist.get_world_size() == 1)
+        return zero_stage_to_run(self.config, one_process=self.mesh.world_size == 1)
 
     @property
     def stage(self) -> int:
         return self.zero_stage_to_run()
 
     def deepspeed_config(self) -> dict:
-        return deepspeed_config(self.config, self.optim, self.stage, self.on_cuda)
+        return deepspeed_config(self.config, self.optim, self.stage, self.tp_size, self.on_cuda)
 
     @contextlib.contextmanager
     def model_init(self):
@@ -129,7 +129,7 @@ class DeepSpeedEngine(TrainEngine):
     def head_gradient(self) -> HeadGradient | None:
         """Where the fused loss may sum the head weight's gradient (head_gradient.py); None under
         tensor or sequence parallelism, where it goes through autograd."""
-        if self.head_weight is None or self.tp_size > 1 or self.config.sequence_parallel_size > 1:
+        if self.head_weight is None or self.tp_size > 1 or self.mesh.sp_size > 1:
             return None
         return HeadGradient.of(self.engine.optimizer, self.head_weight)
 
@@ -231,4 +231,4 @@ class DeepSpeedEngine(TrainEngine):
     # consecutive ranks); its gradient average is undone by this factor in train_batch.
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size() // self.tp_size
+        return self.mesh.weight_replicas
