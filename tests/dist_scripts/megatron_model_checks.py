@@ -1,0 +1,152 @@
+"""Megatron-Core's GPTModel (hpsft/engine/megatron) against the Hugging Face model's own eager
+forward, at every parallel layout this world holds, in one launch.
+
+    torchrun --nproc_per_node N tests/dist_scripts/megatron_model_checks.py OUT_JSON FAMILY:TP,PP,EP ...
+    python tests/dist_scripts/megatron_model_checks.py OUT_JSON FAMILY:1,1,1 ...  (one process)
+
+For each FAMILY (a tiny random model from tests/test_megatron_model.py's configs) and layout:
+parallel_state is initialised for TP x PP x EP (DP = the rest), the GPTModel built and loaded
+from the Hugging Face weights (convert.load_hf_weights), wrapped in Megatron's
+DistributedDataParallel, and Megatron's own schedule (get_forward_backward_func: 1F1B under
+PP) runs the ROWS packed rows (data-parallel rank d takes rows d, d + DP, ...) with the loss
+the fused op will take: the final hidden states times this TP rank's LM-head shard, the
+vocabulary padding masked, summed over the loss tokens, divided by the step's loss-token count
+(Megatron's calculate_per_token_loss and finalize_model_grads). Rank 0 gathers the weights
+(round trip) and the gradients back to Hugging Face names (convert.gathered_hf_tensors) and
+compares them with the Hugging Face model run on each sequence alone. OUT_JSON gets, per
+"FAMILY:TP,PP,EP": the loss and the reference's, the worst gradient error and its tensor, the
+round trip's mismatching tensors, the LM-head shards' (vocab_start, valid_rows).
+"""
+
+import json
+import os
+import sys
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.megatron_models import PACKED_ROWS, hf_reference, tiny_config  # noqa: E402
+
+from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels  # noqa: E402
+from hpsft.engine.megatron import convert  # noqa: E402
+from hpsft.engine.megatron import model as mmodel  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def loss_of_hidden(model, labels, n_tokens: int, hidden):
+    """The test's stand-in for the vocabulary-parallel fused loss: logits of this TP rank's
+    shard (padded rows masked out), gathered over TP, cross-entropy summed over loss tokens."""
+    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                               gather_from_tensor_model_parallel_region)
+
+    head = mmodel.head_shard(model.module)
+    # Each TP rank's logits give d(hidden) for its vocabulary only: summed over TP in backward.
+    local = copy_to_tensor_model_parallel_region(hidden[:, 0]) @ head.weight.t()
+    padded = torch.arange(local.shape[1]) >= head.valid_rows
+    logits = gather_from_tensor_model_parallel_region(local.masked_fill(padded, float("-inf")))
+    nll = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return nll, torch.tensor(n_tokens, dtype=torch.int), {"nll": nll.detach()}
+
+
+def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    mmodel.initialize_model_parallel(tp, pp, ep)
+    config = tiny_config(family)
+    reference, samples = hf_reference(family)  # the same weights and rows on every rank
+    weights = reference.state_dict()
+
+    model = mmodel.build_model(config)
+    convert.load_hf_weights(model, weights.__getitem__)
+    round_trip = [name for name, whole in convert.gathered_hf_tensors(model)
+                  if dist.get_rank() == 0 and not torch.equal(whole, weights[name])]
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = [packed_row(collate_jagged([samples[i] for i in row])) for row in PACKED_ROWS[dp_rank::dp]]
+    for row in rows:
+        row["labels"] = shifted_labels(row["input_ids"][0], row["loss_mask"], row["offsets"])
+    n_tokens = int(sum((s["loss_mask"][1:]).sum() for s in samples))  # the step's loss tokens, all ranks
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    ddp.zero_grad_buffer()
+
+    def forward_step(data_iterator, module):
+        row = next(data_iterator)
+        hidden = mmodel.forward_packed_row(module, row["input_ids"], row["offsets"], row["max_length"])
+        return hidden, partial(loss_of_hidden, ddp, row["labels"], int((row["labels"] != IGNORE_INDEX).sum()))
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(rows), model=[ddp], num_microbatches=len(rows),
+        seq_length=max(r["input_ids"].shape[1] for r in rows), micro_batch_size=1, forward_only=False)
+    # The step's loss: the micro-batches' NLL sums on each replica's last stage (one TP rank),
+    # summed over the replicas, over the step's loss tokens (finalize_model_grads divided the
+    # gradients by the same count, all-reduced over DP).
+    nll = torch.zeros((), dtype=torch.float64)
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        nll += sum(float(o["nll"]) for o in outputs)
+    dist.all_reduce(nll)
+
+    grads = {name: whole for name, whole in convert.gathered_hf_tensors(model, lambda n, p: p.main_grad)}
+    head = mmodel.head_shard(model) if model.post_process else None
+    heads = [None] * dist.get_world_size()
+    dist.all_gather_object(heads, (ps.get_tensor_model_parallel_rank(), head.vocab_start, head.valid_rows,
+                                   bool(head.weight[head.valid_rows:].abs().sum() == 0)) if head else None)
+    if dist.get_rank() != 0:
+        return {}
+    ref_loss = reference_loss_and_grads(reference, samples, n_tokens)
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    errors = {name: relative_error(grads[name], ref_grads[name]) for name in grads}
+    worst = max(errors, key=errors.get)
+    return {"loss": float(nll) / n_tokens, "reference_loss": float(ref_loss), "worst_grad": worst,
+            "worst_grad_error": errors[worst], "grads_compared": len(errors), "round_trip_mismatches": round_trip,
+            "head_shards": sorted({h for h in heads if h is not None})}
+
+
+def reference_loss_and_grads(reference, samples, n_tokens: int) -> torch.Tensor:
+    """The Hugging Face model's own forward on each sequence alone (eager attention), its mean
+    loss times its loss tokens, over the step's loss tokens; backward into reference's .grad."""
+    reference.zero_grad()
+    loss = sum(
+        reference(input_ids=s["input_ids"][None], labels=torch.where(s["loss_mask"], s["input_ids"], -100)[None],
+                  use_cache=False).loss * int(s["loss_mask"][1:].sum())
+        for s in samples) / n_tokens
+    loss.backward()
+    return loss.detach()
+
+
+def main(out: str, cases: list[str]) -> None:
+    if "RANK" not in os.environ:  # one plain process (run_cli with nproc=1): a world of one
+        from hpsft.utils.distributed import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo")
+    results = {}
+    for case in cases:
+        family, layout = case.split(":")
+        tp, pp, ep = (int(x) for x in layout.split(","))
+        results[case] = run_layout(family, tp, pp, ep)
+        if dist.get_rank() == 0:
+            print(case, json.dumps(results[case]), flush=True)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
