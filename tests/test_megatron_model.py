@@ -37,7 +37,8 @@ def run_checks(tmp_path, nproc: int, cases: list[str]) -> dict:
     results = json.loads(out.read_text())
     for case, r in results.items():
         print(case, f"loss {rel(r['loss'], r['reference_loss']):.1e}, worst grad {r['worst_grad_error']:.1e} "
-              f"({r['worst_grad']})")
+              f"({r['worst_grad']}), grad norm {rel(r['grad_norm'], r['reference_grad_norm']):.1e}, worst weight "
+              f"after the step {r['worst_weight_error']:.1e} ({r['worst_weight']})")
     return results
 
 
@@ -49,6 +50,8 @@ def assert_equal_to_the_reference(case: str, r: dict) -> None:
     assert rel(r["loss"], r["reference_loss"]) <= TOLERANCE, (case, r)
     assert r["worst_grad_error"] <= TOLERANCE, (case, r["worst_grad"], r["worst_grad_error"])
     assert r["round_trip_mismatches"] == [], (case, r["round_trip_mismatches"])
+    assert rel(r["grad_norm"], r["reference_grad_norm"]) <= TOLERANCE, (case, r["grad_norm"], r["reference_grad_norm"])
+    assert r["worst_weight_error"] <= TOLERANCE, (case, r["worst_weight"], r["worst_weight_error"])
     # The LM-head shards' real rows tile the vocabulary exactly; their padded rows are zero.
     shards = sorted(r["head_shards"])
     assert [s[1] for s in shards] == [sum(s[2] for s in shards[:i]) for i in range(len(shards))], shards
@@ -62,8 +65,13 @@ def test_one_process_equals_the_hf_models_own_forward_on_each_sequence(tmp_path)
     q/k/v bias and a sliding window on layer 1, Qwen3 with q/k norm, Mistral's window, Mixtral,
     Qwen2-MoE's gated shared expert): 4 packed rows of 10 uneven sequences through Megatron's
     schedule; loss and every gradient (gathered back to Hugging Face names) equal the Hugging
-    Face model's eager forward on each sequence alone; the weights' round trip is bit-identical.
-    Planted once each, and this launch failed (relative errors, loss / worst gradient):
+    Face model's eager forward on each sequence alone; the weights' round trip is bit-identical;
+    one step of Megatron's distributed optimizer (Adam, clipped) gives torch AdamW's weights on
+    the reference's gradients, and its unclipped gradient norm is theirs.
+    Seen once, and this launch failed: the optimizer groups' weight decay left at the base value
+    (Megatron's LR scheduler sets it from wd_mult; without it 1-D weights decay too): weights
+    1.0e-3 off. Planted once each, and this launch failed (relative errors, loss / worst
+    gradient):
     q/k/v placed [all q; all k; all v] instead of per query group (convert.qkv_pieces): Llama
     6.2e-3 / 59, Qwen3 6.0e-4 / 2.0; gate and up swapped (convert.gated_fc1_pieces): Llama
     9.4e-5 / 0.21, Mixtral 3.9e-5 / 0.30; Megatron's own RoPE frequencies instead of the HF

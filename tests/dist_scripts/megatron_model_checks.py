@@ -11,11 +11,13 @@ DistributedDataParallel, and Megatron's own schedule (get_forward_backward_func:
 PP) runs the ROWS packed rows (data-parallel rank d takes rows d, d + DP, ...) with the loss
 the fused op will take: the final hidden states times this TP rank's LM-head shard, the
 vocabulary padding masked, summed over the loss tokens, divided by the step's loss-token count
-(Megatron's calculate_per_token_loss and finalize_model_grads). Rank 0 gathers the weights
-(round trip) and the gradients back to Hugging Face names (convert.gathered_hf_tensors) and
-compares them with the Hugging Face model run on each sequence alone. OUT_JSON gets, per
+(Megatron's calculate_per_token_loss and finalize_model_grads); then one step of Megatron's
+distributed optimizer. Rank 0 gathers the weights (round trip), the gradients and the stepped
+weights back to Hugging Face names (convert.gathered_hf_tensors) and compares them with the
+Hugging Face model run on each sequence alone and torch's AdamW. OUT_JSON gets, per
 "FAMILY:TP,PP,EP": the loss and the reference's, the worst gradient error and its tensor, the
-round trip's mismatching tensors, the LM-head shards' (vocab_start, valid_rows).
+unclipped gradient norm and the reference's, the worst stepped weight, the round trip's
+mismatching tensors, the LM-head shards' (tp_rank, vocab_start, valid_rows, padding is zero).
 """
 
 import json
@@ -60,6 +62,7 @@ def loss_of_hidden(model, labels, n_tokens: int, hidden):
 def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if ps.model_parallel_is_initialized():
@@ -80,10 +83,19 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
         row["labels"] = shifted_labels(row["input_ids"][0], row["loss_mask"], row["offsets"])
     n_tokens = int(sum((s["loss_mask"][1:]).sum() for s in samples))  # the step's loss tokens, all ranks
 
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.no_sync_func = ddp.no_sync
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95, adam_eps=ADAM_EPS,
+        clip_grad=CLIP, use_distributed_optimizer=True), [ddp])
+    # Megatron's LR scheduler (OptimizerParamScheduler) sets each group's decay from its
+    # wd_mult (0 on 1-D parameters); without one, a group keeps the base weight_decay: set here.
+    for group in optimizer.param_groups:
+        group["weight_decay"] = WEIGHT_DECAY * group["wd_mult"]
     ddp.zero_grad_buffer()
+    optimizer.zero_grad()
 
     def forward_step(data_iterator, module):
         row = next(data_iterator)
@@ -92,7 +104,10 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
 
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(rows), model=[ddp], num_microbatches=len(rows),
-        seq_length=max(r["input_ids"].shape[1] for r in rows), micro_batch_size=1, forward_only=False)
+        seq_length=max(r["input_ids"].shape[1] for r in rows), micro_batch_size=1, forward_only=False,
+        # every DP rank gets the whole reduced gradient, to be compared (the distributed optimizer
+        # reads its own shard of it either way)
+        force_all_reduce=True)
     # The step's loss: the micro-batches' NLL sums on each replica's last stage (one TP rank),
     # summed over the replicas, over the step's loss tokens (finalize_model_grads divided the
     # gradients by the same count, all-reduced over DP).
@@ -102,6 +117,10 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
     dist.all_reduce(nll)
 
     grads = {name: whole for name, whole in convert.gathered_hf_tensors(model, lambda n, p: p.main_grad)}
+    # One step of Megatron's distributed optimizer (Adam, fp32 master weights sharded over DP,
+    # the gradient clipped by its global norm), then the weights gathered.
+    _, grad_norm, _ = optimizer.step()
+    stepped = dict(convert.gathered_hf_tensors(model))
     head = mmodel.head_shard(model) if model.post_process else None
     heads = [None] * dist.get_world_size()
     dist.all_gather_object(heads, (ps.get_tensor_model_parallel_rank(), head.vocab_start, head.valid_rows,
@@ -112,7 +131,11 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
     errors = {name: relative_error(grads[name], ref_grads[name]) for name in grads}
     worst = max(errors, key=errors.get)
-    return {"loss": float(nll) / n_tokens, "reference_loss": float(ref_loss), "worst_grad": worst,
+    ref_norm = reference_step(reference)
+    weight_errors = {name: relative_error(stepped[name], p.detach()) for name, p in reference.named_parameters()}
+    worst_weight = max(weight_errors, key=weight_errors.get)
+    return {"grad_norm": grad_norm, "reference_grad_norm": ref_norm, "worst_weight": worst_weight,
+            "worst_weight_error": weight_errors[worst_weight],"loss": float(nll) / n_tokens, "reference_loss": float(ref_loss), "worst_grad": worst,
             "worst_grad_error": errors[worst], "grads_compared": len(errors), "round_trip_mismatches": round_trip,
             "head_shards": sorted({h for h in heads if h is not None})}
 
@@ -127,6 +150,26 @@ def reference_loss_and_grads(reference, samples, n_tokens: int) -> torch.Tensor:
         for s in samples) / n_tokens
     loss.backward()
     return loss.detach()
+
+
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.1, 1.0
+# Adam's first update is lr * g / (|g| + eps): with eps = 1e-8 an element whose gradient is ~1e-9
+# (a near-cancellation, 30 % apart between two fp32 summation orders) moves by a different
+# fraction of lr (seen: 2.4e-4 apart, 1e-4 of its tensor). With eps = 1e-3 a gradient's rounding
+# (~1e-8) moves the update by at most lr / eps x 1e-8 = 1e-7, and the clipping coefficient still
+# shows (the gradients are 1e-4..1e-2).
+ADAM_EPS = 1e-3
+
+
+def reference_step(reference) -> float:
+    """torch's AdamW on the reference's gradients, clipped by their global norm to CLIP, with no
+    weight decay on 1-D parameters (Megatron's rule, and hpsft's): the unclipped norm."""
+    params = list(reference.parameters())
+    norm = float(torch.nn.utils.clip_grad_norm_(params, CLIP))
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=ADAM_EPS).step()
+    return norm
 
 
 def main(out: str, cases: list[str]) -> None:

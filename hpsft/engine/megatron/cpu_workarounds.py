@@ -55,11 +55,24 @@ def apply() -> None:
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = splits_to_host
 
     # The schedules count the step's loss tokens in torch.zeros([], device="cuda") (a literal):
-    # each runs with device="cuda" calls made on the CPU. get_forward_backward_func returns
-    # these module attributes by name.
+    # each runs with device="cuda" made the CPU. get_forward_backward_func returns these module
+    # attributes by name.
     for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
                  "forward_backward_pipelining_with_interleaving"):
-        setattr(schedules, name, with_cuda_literals_on_cpu(getattr(schedules, name)))
+        setattr(schedules, name, with_cuda_assumptions_on_cpu(getattr(schedules, name)))
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
+                                                   FP32Optimizer, MixedPrecisionOptimizer)
+
+    # The optimizers allocate their flags, scales and norms with device="cuda" literals and
+    # accept only parameters whose type() is "torch.cuda.FloatTensor" (or Half/BFloat16):
+    # their construction and their steps (the gradient norm and clipping included) run with
+    # device="cuda" made the CPU and a CPU tensor's type() named as its dtype's CUDA type.
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer, FP32Optimizer, ChainedOptimizer):
+        cls.__init__ = with_cuda_assumptions_on_cpu(cls.__init__)
+    for cls in (MixedPrecisionOptimizer, FP32Optimizer, ChainedOptimizer):
+        cls.step = with_cuda_assumptions_on_cpu(cls.step)
 
 
 class CpuStream:
@@ -87,19 +100,32 @@ def splits_to_host(dispatcher, point: str, tokens_per_expert=None):
     return tokens_per_expert
 
 
-class CudaLiteralsOnCpu(TorchFunctionMode):
-    """Runs a torch call given device="cuda" on the CPU instead."""
+class CudaAssumptionsOnCpu(TorchFunctionMode):
+    """Within it, a torch call given device="cuda" runs on the CPU, and Tensor.type() of a CPU
+    tensor answers its dtype's CUDA type ("torch.cuda.FloatTensor")."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kwargs.get("device") == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
 
-def with_cuda_literals_on_cpu(function):
+_inside = 0  # how deep in with_cuda_assumptions_on_cpu calls this process is (one mode is enough)
+
+
+def with_cuda_assumptions_on_cpu(function):
     @functools.wraps(function)
     def run(*args, **kwargs):
-        with CudaLiteralsOnCpu():
+        global _inside
+        if _inside:
             return function(*args, **kwargs)
+        _inside += 1
+        try:
+            with CudaAssumptionsOnCpu():
+                return function(*args, **kwargs)
+        finally:
+            _inside -= 1
     return run
