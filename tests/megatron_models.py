@@ -7,6 +7,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from tests.test_model_families import sequences
+
 VOCAB = 250
 WINDOW = 6
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -36,17 +38,6 @@ def tiny_config(family: str):
     return CONFIGS[family]()
 
 
-def sequences(seed: int = 0) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, n in enumerate(LENGTHS):
-        ids = torch.randint(3, VOCAB, (n,), generator=g)
-        mask = torch.rand(n, generator=g) < 0.7
-        mask[: n // 4] = False  # a prompt
-        samples.append({"input_ids": ids, "loss_mask": mask, "index": i})
-    return samples
-
-
 def hf_reference(family: str, seed: int = 0):
     """(the Hugging Face model with eager attention, fp32, train mode; the sequences). Norm
     weights and biases are drawn (a swapped or dropped one then shows), the router weights
@@ -59,4 +50,4 @@ def hf_reference(family: str, seed: int = 0):
                 p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
-    return model.train(), sequences(seed)
+    return model.train(), sequences(seed, LENGTHS, VOCAB)
