@@ -13,7 +13,8 @@ VOCAB = 250
 WINDOW = 6
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-MOE = dict(num_experts_per_tok=2, output_router_logits=False)
+# The family's router loss on, as its forward adds it (PP = 1 only: architecture.check_layout).
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 
 CONFIGS = {
     # tied embeddings, as SmolLM2
@@ -25,6 +26,8 @@ CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=WINDOW),
     "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, **MOE),
+    "mixtral_without_router_loss": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4,
+                                                                      num_experts_per_tok=2),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SMALL, num_experts=4, moe_intermediate_size=32,
                                                      shared_expert_intermediate_size=48, **MOE),
 }

@@ -44,9 +44,11 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def loss_of_hidden(model, labels, n_tokens: int, hidden):
+def loss_of_hidden(model, labels, n_tokens: int, router_logits, hidden):
     """The test's stand-in for the vocabulary-parallel fused loss: logits of this TP rank's
-    shard (padded rows masked out), gathered over TP, cross-entropy summed over loss tokens."""
+    shard (padded rows masked out), gathered over TP, cross-entropy summed over loss tokens;
+    with the MoE router loss on, + its coefficient x the row's router loss x the row's loss
+    tokens (hpsft's weighting: the step's loss divides by its loss tokens)."""
     from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                                gather_from_tensor_model_parallel_region)
 
@@ -55,8 +57,11 @@ def loss_of_hidden(model, labels, n_tokens: int, hidden):
     local = copy_to_tensor_model_parallel_region(hidden[:, 0]) @ head.weight.t()
     padded = torch.arange(local.shape[1]) >= head.valid_rows
     logits = gather_from_tensor_model_parallel_region(local.masked_fill(padded, float("-inf")))
-    nll = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return nll, torch.tensor(n_tokens, dtype=torch.int), {"nll": nll.detach()}
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if router_logits is not None:
+        arch = model.module.hf_architecture
+        loss = loss + arch.moe.router_aux_loss_coef * mmodel.router_aux_loss(arch, router_logits.take()) * n_tokens
+    return loss, torch.tensor(n_tokens, dtype=torch.int), {"loss": loss.detach()}
 
 
 def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
@@ -74,6 +79,8 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
 
     model = mmodel.build_model(config)
     convert.load_hf_weights(model, weights.__getitem__)
+    moe = model.hf_architecture.moe
+    router_logits = mmodel.RouterLogits(model) if moe is not None and moe.router_aux_loss_coef else None
     round_trip = [name for name, whole in convert.gathered_hf_tensors(model)
                   if dist.get_rank() == 0 and not torch.equal(whole, weights[name])]
 
@@ -100,7 +107,8 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
     def forward_step(data_iterator, module):
         row = next(data_iterator)
         hidden = mmodel.forward_packed_row(module, row["input_ids"], row["offsets"], row["max_length"])
-        return hidden, partial(loss_of_hidden, ddp, row["labels"], int((row["labels"] != IGNORE_INDEX).sum()))
+        return hidden, partial(loss_of_hidden, ddp, row["labels"], int((row["labels"] != IGNORE_INDEX).sum()),
+                               router_logits)
 
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(rows), model=[ddp], num_microbatches=len(rows),
@@ -108,13 +116,13 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
         # every DP rank gets the whole reduced gradient, to be compared (the distributed optimizer
         # reads its own shard of it either way)
         force_all_reduce=True)
-    # The step's loss: the micro-batches' NLL sums on each replica's last stage (one TP rank),
+    # The step's loss: the micro-batches' loss sums on each replica's last stage (one TP rank),
     # summed over the replicas, over the step's loss tokens (finalize_model_grads divided the
     # gradients by the same count, all-reduced over DP).
-    nll = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64)
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        nll += sum(float(o["nll"]) for o in outputs)
-    dist.all_reduce(nll)
+        loss_sum += sum(float(o["loss"]) for o in outputs)
+    dist.all_reduce(loss_sum)
 
     grads = {name: whole for name, whole in convert.gathered_hf_tensors(model, lambda n, p: p.main_grad)}
     # One step of Megatron's distributed optimizer (Adam, fp32 master weights sharded over DP,
@@ -127,7 +135,7 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
                                    bool(head.weight[head.valid_rows:].abs().sum() == 0)) if head else None)
     if dist.get_rank() != 0:
         return {}
-    ref_loss = reference_loss_and_grads(reference, samples, n_tokens)
+    ref_loss = reference_loss_and_grads(reference, samples, n_tokens, router_logits is not None)
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
     errors = {name: relative_error(grads[name], ref_grads[name]) for name in grads}
     worst = max(errors, key=errors.get)
@@ -135,19 +143,33 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
     weight_errors = {name: relative_error(stepped[name], p.detach()) for name, p in reference.named_parameters()}
     worst_weight = max(weight_errors, key=weight_errors.get)
     return {"grad_norm": grad_norm, "reference_grad_norm": ref_norm, "worst_weight": worst_weight,
-            "worst_weight_error": weight_errors[worst_weight],"loss": float(nll) / n_tokens, "reference_loss": float(ref_loss), "worst_grad": worst,
+            "worst_weight_error": weight_errors[worst_weight],"loss": float(loss_sum) / n_tokens, "reference_loss": float(ref_loss), "worst_grad": worst,
             "worst_grad_error": errors[worst], "grads_compared": len(errors), "round_trip_mismatches": round_trip,
             "head_shards": sorted({h for h in heads if h is not None})}
 
 
-def reference_loss_and_grads(reference, samples, n_tokens: int) -> torch.Tensor:
+def reference_loss_and_grads(reference, samples, n_tokens: int, router_loss: bool) -> torch.Tensor:
     """The Hugging Face model's own forward on each sequence alone (eager attention), its mean
-    loss times its loss tokens, over the step's loss tokens; backward into reference's .grad."""
+    loss times its loss tokens, over the step's loss tokens; with the router loss, + for each
+    packed row the coefficient x HF's router loss of the row's sequences as one right-padded
+    batch with its attention mask (the row's tokens, no padding) x the row's loss tokens, over
+    the step's loss tokens. Backward into reference's .grad."""
     reference.zero_grad()
     loss = sum(
         reference(input_ids=s["input_ids"][None], labels=torch.where(s["loss_mask"], s["input_ids"], -100)[None],
-                  use_cache=False).loss * int(s["loss_mask"][1:].sum())
+                  use_cache=False, output_router_logits=False).loss * int(s["loss_mask"][1:].sum())
         for s in samples) / n_tokens
+    if router_loss:
+        for row in PACKED_ROWS:
+            seqs = [samples[i] for i in row]
+            width = max(len(s["input_ids"]) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            mask = torch.zeros(len(seqs), width, dtype=torch.long)
+            for r, s in enumerate(seqs):
+                ids[r, :len(s["input_ids"])], mask[r, :len(s["input_ids"])] = s["input_ids"], 1
+            aux = reference(input_ids=ids, attention_mask=mask, use_cache=False, output_router_logits=True).aux_loss
+            row_tokens = sum(int(s["loss_mask"][1:].sum()) for s in seqs)
+            loss = loss + reference.config.router_aux_loss_coef * aux * row_tokens / n_tokens
     loss.backward()
     return loss.detach()
 

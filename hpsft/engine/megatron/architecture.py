@@ -11,7 +11,8 @@ The families and what differs between them:
   mistral  llama + a sliding window on every layer (when set)
   qwen2    llama + q/k/v bias, windows on the layers `layer_types` marks
   qwen3    llama + RMSNorm of each query and key head before RoPE (q_norm/k_norm)
-  mixtral  mistral with a top-k routed MoE (softmax, top-k, renormalised) in every layer
+  mixtral  mistral with a top-k routed MoE (softmax, top-k, renormalised) in every layer; the
+           family's router load-balancing loss when its config turns it on (PP = 1 only)
   qwen2_moe qwen2 with a top-k MoE (softmax, top-k, renormalised iff norm_topk_prob) plus a
            shared expert scaled by sigmoid(shared_expert_gate(x)); dense MLP layers where
            `mlp_only_layers` / `decoder_sparse_step` say
@@ -39,6 +40,9 @@ class MoE:
     shared_ffn_hidden_size: int  # 0: no shared expert
     shared_gate: bool  # the shared expert's output times sigmoid(x @ gate)
     layers: tuple[bool, ...]  # per layer: MoE (True) or a dense MLP of Architecture.ffn_hidden_size
+    # > 0: the family's load-balancing loss of a row (its own function of all layers' router
+    # logits together, model.router_aux_loss) times this joins the loss, as in its forward
+    router_aux_loss_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -134,26 +138,24 @@ def moe_of(config) -> MoE | None:
     family = config.model_type
     if family not in ("mixtral", "qwen2_moe"):
         return None
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
-        # The family's load-balancing loss is one function of all layers' router logits
-        # together (not a sum over layers, as Megatron's aux losses are): not mapped yet.
-        refuse(config, f"output_router_logits=True and router_aux_loss_coef={config.router_aux_loss_coef}",
-               "the family's router load-balancing loss is not computed on the Megatron path yet; set "
-               "output_router_logits=false in the model's config to train without it")
+    # The family's forward adds its router loss only with output_router_logits on (as hpsft's
+    # DeepSpeed path, families.output_side).
+    coef = float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
     if getattr(config, "router_jitter_noise", 0.0):
         refuse(config, f"router_jitter_noise={config.router_jitter_noise}",
                "Megatron's input jitter is not the family's multiplicative noise on the experts' input")
     if family == "mixtral":
         return MoE(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                    ffn_hidden_size=config.intermediate_size, softmax_before_top_k=False, shared_ffn_hidden_size=0,
-                   shared_gate=False, layers=(True,) * config.num_hidden_layers)
+                   shared_gate=False, layers=(True,) * config.num_hidden_layers, router_aux_loss_coef=coef)
     # Qwen2-MoE: a layer is MoE unless listed in mlp_only_layers, every decoder_sparse_step-th.
     step, dense_only = config.decoder_sparse_step, set(config.mlp_only_layers or ())
     layers = tuple(i not in dense_only and config.num_experts > 0 and (i + 1) % step == 0
                    for i in range(config.num_hidden_layers))
     return MoE(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                ffn_hidden_size=config.moe_intermediate_size, softmax_before_top_k=not config.norm_topk_prob,
-               shared_ffn_hidden_size=config.shared_expert_intermediate_size, shared_gate=True, layers=layers)
+               shared_ffn_hidden_size=config.shared_expert_intermediate_size, shared_gate=True, layers=layers,
+               router_aux_loss_coef=coef)
 
 
 def check_layout(arch: Architecture, tp: int, pp: int, ep: int) -> None:
@@ -174,5 +176,11 @@ def check_layout(arch: Architecture, tp: int, pp: int, ep: int) -> None:
     # into TP equal slices: rows padded to a multiple of TP, which hpsft's rows are not.
     need(tp == 1, f"engine.tensor_parallel_size={tp} with an MoE model needs Megatron's sequence parallelism "
          "(rows padded to a multiple of TP), not supported yet: split the experts with engine.expert_parallel_size")
+    # The family's router loss is one function of every layer's router logits of a row: the
+    # layers of all stages together.
+    need(pp == 1 or not arch.moe.router_aux_loss_coef,
+         f"engine.pipeline_parallel_size={pp} with the MoE router loss (output_router_logits=True, "
+         f"router_aux_loss_coef={arch.moe.router_aux_loss_coef}): the family's loss couples all stages' layers, "
+         "not computed across stages; set output_router_logits=false in the model's config or use PP=1")
     need(arch.moe.num_experts % ep == 0, f"engine.expert_parallel_size={ep} must divide the experts "
          f"({arch.moe.num_experts})")

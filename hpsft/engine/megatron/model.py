@@ -19,6 +19,7 @@ RMSNorm), never logits; `head_shard` gives the LM-head weight rows of this TP ra
 layer's, or the shared embedding's when tied) for the vocabulary-parallel fused loss.
 """
 
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -208,3 +209,37 @@ def head_shard(model) -> HeadShard:
     rows = weight.shape[0]
     start = parallel_state.get_tensor_model_parallel_rank() * rows
     return HeadShard(weight, start, max(0, min(rows, model.hf_architecture.vocab_size - start)))
+
+
+class RouterLogits:
+    """Records each MoE layer's router logits ([T, E], in the stage's layer order) as the
+    model's forwards compute them, for the family's load-balancing loss: `take()` after a
+    micro-batch's forward returns its layers' and starts afresh. It wraps the `gating` of
+    this model's routers (the instances, not Megatron's class). With activation recomputation
+    the recomputed forward would record again: not used together."""
+
+    def __init__(self, model):
+        self.logits = []
+        for layer in model.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.gating = self.recording(router.gating, model.config.num_moe_experts)
+
+    def recording(self, gating, num_experts: int):
+        def run(input):
+            logits = gating(input)
+            self.logits.append(logits.reshape(-1, num_experts))
+            return logits
+        return run
+
+    def take(self) -> list:
+        logits, self.logits = self.logits, []
+        return logits
+
+
+def router_aux_loss(arch: Architecture, router_logits: list) -> torch.Tensor:
+    """The family's own load-balancing loss (transformers' load_balancing_loss_func of its
+    modeling module) of one packed row: every MoE layer's router logits of the row, no padding
+    (no mask). The pipeline must be one stage (architecture.check_layout)."""
+    module = importlib.import_module(f"transformers.models.{arch.family}.modeling_{arch.family}")
+    return module.load_balancing_loss_func(tuple(router_logits), arch.moe.num_experts, arch.moe.top_k, None)
