@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from hpsft.models.families import UnsupportedModel
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
-# RoPE variants that only change the inverse frequencies (transformers' rope init functions
-# compute them, model.py loads them into Megatron's RotaryEmbedding). Dynamic NTK (depends on
+# RoPE variants that only change the inverse frequencies (the family's own rotary embedding
+# computes them, model.py loads them into Megatron's RotaryEmbedding). Dynamic NTK (depends on
 # the sequence length), YaRN and LongRoPE (an attention factor, per-position tables) are refused.
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -118,19 +118,18 @@ def rope_of(config) -> tuple[str, float]:
 
 
 def layer_windows(config) -> tuple[int, ...]:
-    """Each layer's sliding window as the family's attention applies it (0: none). Families
-    with `layer_types` slide where it says "sliding_attention"; Mistral and Mixtral slide on
-    every layer when `sliding_window` is set."""
+    """Each layer's sliding window as the family's attention applies it (0: none), one width for
+    all (the config's `sliding_window`). Families with `layer_types` slide where it says
+    "sliding_attention"; Mistral and Mixtral slide on every layer when `sliding_window` is set."""
     window = getattr(config, "sliding_window", None) or 0
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
             refuse(config, f"layer_types {sorted(unknown)}", "only full and sliding-window attention are mapped")
-        windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
         if any(kind == "sliding_attention" for kind in layer_types) and not window:
             refuse(config, "sliding layers without a sliding_window", "the window's width is unknown")
-        return windows
+        return tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
     return (int(window),) * config.num_hidden_layers
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from hpsft.engine.megatron import cpu_workarounds
 from hpsft.engine.megatron.architecture import Architecture, architecture_of, check_layout
+from hpsft.models.families import UnsupportedModel
 
 # The vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, TP) rows (Megatron's
 # make-vocab-size-divisible-by): the embedding and output layer split it evenly over TP, and
@@ -65,9 +66,7 @@ def transformer_config(arch: Architecture, params_dtype: torch.dtype = torch.flo
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     check_layout(arch, tp, pp, ep)
-    window = max(arch.windows)
-    if len({w for w in arch.windows if w}) > 1:
-        raise ValueError(f"{arch.family}: sliding windows of different widths per layer are not mapped")
+    window = max(arch.windows)  # one width on every sliding layer (architecture.layer_windows)
     moe = {}
     if arch.moe is not None:
         m = arch.moe
@@ -76,7 +75,7 @@ def transformer_config(arch: Architecture, params_dtype: torch.dtype = torch.flo
             moe_router_pre_softmax=m.softmax_before_top_k, moe_layer_freq=[int(x) for x in m.layers],
             moe_shared_expert_intermediate_size=m.shared_ffn_hidden_size or None,
             moe_shared_expert_gate=m.shared_gate,
-            # the family's load-balancing loss is not Megatron's (architecture.moe_of): none here
+            # the family's load-balancing loss is not Megatron's: router_aux_loss computes it
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False, moe_permute_fusion=False,
         )
@@ -143,17 +142,16 @@ def build_model(hf_config, params_dtype: torch.dtype = torch.float32):
 
 
 def rope_inv_freq(hf_config) -> torch.Tensor:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = hf_config.rope_parameters.get("rope_type", "default")
-    if rope_type == "default":
-        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        base = hf_config.rope_parameters["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    if attention_scaling != 1.0:
-        raise ValueError(f"rope_type={rope_type!r} scales attention by {attention_scaling}: not mapped")
-    return inv_freq
+    """RoPE's inverse frequencies as the family's own rotary embedding computes them (its rope
+    type's scaling included); one that also scales the attention is refused."""
+    family = hf_config.model_type
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary_class = next(cls for name, cls in vars(module).items() if name.endswith("RotaryEmbedding"))
+    rotary = rotary_class(hf_config)
+    if rotary.attention_scaling != 1.0:
+        raise UnsupportedModel(f"model type {family!r}: its RoPE scales the attention by {rotary.attention_scaling}, "
+                               "which Megatron's rotary embedding does not")
+    return rotary.inv_freq.detach().float().clone()  # a plain tensor, not the nn.Buffer
 
 
 def packed_seq_params(offsets: torch.Tensor, max_length: int):
