@@ -66,7 +66,9 @@ def test_one_process_equals_the_hf_models_own_forward_on_each_sequence(tmp_path)
     and Qwen2-MoE's gated shared expert with the family's router loss on, its coefficient 0.1):
     4 packed rows of 10 uneven sequences through Megatron's
     schedule; loss and every gradient (gathered back to Hugging Face names) equal the Hugging
-    Face model's eager forward on each sequence alone; the weights' round trip is bit-identical;
+    Face model's eager forward on each sequence alone; the weights, read from the model's
+    save_pretrained folder (MoE experts in the checkpoint's per-expert layout, fused on load), go
+    there and back bit-identical;
     one step of Megatron's distributed optimizer (Adam, clipped) gives torch AdamW's weights on
     the reference's gradients, and its unclipped gradient norm is theirs.
     Seen once, and this launch failed: the optimizer groups' weight decay left at the base value

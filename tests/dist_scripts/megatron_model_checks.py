@@ -4,9 +4,9 @@ forward, at every parallel layout this world holds, in one launch.
     torchrun --nproc_per_node N tests/dist_scripts/megatron_model_checks.py OUT_JSON FAMILY:TP,PP,EP ...
     python tests/dist_scripts/megatron_model_checks.py OUT_JSON FAMILY:1,1,1 ...  (one process)
 
-For each FAMILY (a tiny random model from tests/test_megatron_model.py's configs) and layout:
-parallel_state is initialised for TP x PP x EP (DP = the rest), the GPTModel built and loaded
-from the Hugging Face weights (convert.load_hf_weights), wrapped in Megatron's
+For each FAMILY (a tiny random model of tests/megatron_models.py) and layout: parallel_state is
+initialised for TP x PP x EP (DP = the rest), the GPTModel built and loaded from the Hugging
+Face model's save_pretrained folder (convert.hf_folder_tensor, load_hf_weights), wrapped in Megatron's
 DistributedDataParallel, and Megatron's own schedule (get_forward_backward_func: 1F1B under
 PP) runs the ROWS packed rows (data-parallel rank d takes rows d, d + DP, ...) with the loss
 the fused op will take: the final hidden states times this TP rank's LM-head shard, the
@@ -22,7 +22,9 @@ mismatching tensors, the LM-head shards' (tp_rank, vocab_start, valid_rows, padd
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from functools import partial
 
@@ -77,8 +79,16 @@ def run_layout(family: str, tp: int, pp: int, ep: int) -> dict:
     reference, samples = hf_reference(family)  # the same weights and rows on every rank
     weights = reference.state_dict()
 
+    folder = [tempfile.mkdtemp(prefix=f"{family}-") if dist.get_rank() == 0 else None]
+    if dist.get_rank() == 0:
+        reference.save_pretrained(folder[0])  # MoE experts in the checkpoint's per-expert layout
+    dist.broadcast_object_list(folder)
+
     model = mmodel.build_model(config)
-    convert.load_hf_weights(model, weights.__getitem__)
+    convert.load_hf_weights(model, convert.hf_folder_tensor(folder[0], model.hf_architecture))
+    dist.barrier()  # every rank has read its tensors
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0])
     moe = model.hf_architecture.moe
     router_logits = mmodel.RouterLogits(model) if moe is not None and moe.router_aux_loss_coef else None
     round_trip = [name for name, whole in convert.gathered_hf_tensors(model)

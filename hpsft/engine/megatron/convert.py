@@ -7,6 +7,7 @@ where in which of its Megatron parameters. Both directions read it:
 
   load_hf_weights(model, hf_tensor)   each rank fetches the Hugging Face tensors it holds a part
                                       of, one at a time, and copies its slices in
+                                      (hf_folder_tensor(folder) reads them from a HF folder)
   gathered_hf_tensors(model)          (name, whole tensor) on rank 0, one at a time, from the
                                       ranks that hold its parts (one data-parallel replica's)
 
@@ -26,10 +27,14 @@ A tied head at PP > 1: the last stage's output_layer is a second copy of the emb
 (Megatron keeps their gradients summed); it is loaded from embed_tokens too and never exported.
 """
 
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from safetensors import safe_open
 
 from hpsft.engine.megatron.architecture import Architecture
 
@@ -291,3 +296,45 @@ def gathered_hf_tensors(model, tensor_of: Callable[[str, torch.nn.Parameter], to
                     dist.recv(part, src=rank)
                     whole[piece.src].copy_(part)
         yield name, whole
+
+
+# The per-expert names Hugging Face checkpoints store MoE experts under (what save_pretrained
+# writes and the Hub holds; transformers 5 fuses them into gate_up_proj / down_proj at load):
+# (fused module tensor) -> (checkpoint tensor of expert e) for its [gate; up] halves or down.
+LEGACY_EXPERTS = {
+    "mixtral": {"gate_up_proj": ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+                "down_proj": ("block_sparse_moe.experts.{e}.w2.weight",)},
+    "qwen2_moe": {"gate_up_proj": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                  "down_proj": ("mlp.experts.{e}.down_proj.weight",)},
+}
+LEGACY_ROUTER = {"mixtral": "block_sparse_moe.gate.weight"}
+
+
+def hf_folder_tensor(folder, arch: Architecture) -> Callable[[str], torch.Tensor]:
+    """`tensor(name)` for load_hf_weights from a Hugging Face folder's safetensors, read one
+    tensor at a time (memory-mapped): a module name as stored (hpsft's exports), or, for MoE
+    experts and Mixtral's router, from the per-expert checkpoint layout (save_pretrained, the
+    Hub): the fused [E, 2I, H] gate_up_proj as [w_gate_e; w_up_e] per expert, down_proj [E, H, I]."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (json.loads(index.read_text())["weight_map"] if index.exists()
+             else {name: "model.safetensors" for name in safe_open(folder / "model.safetensors", "pt").keys()})
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(folder / files[name], "pt") as f:
+            return f.get_tensor(name)
+
+    def tensor(name: str) -> torch.Tensor:
+        if name in files:
+            return read(name)
+        layer = re.match(r"model\.layers\.(\d+)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$", name)
+        if layer is None or arch.family not in LEGACY_EXPERTS:
+            raise KeyError(f"{folder}: no tensor {name!r} in its safetensors")
+        prefix = f"model.layers.{layer.group(1)}."
+        if layer.group(2) == "gate.weight":
+            return read(prefix + LEGACY_ROUTER[arch.family])
+        parts = LEGACY_EXPERTS[arch.family][layer.group(3)]
+        return torch.stack([torch.cat([read(prefix + part.format(e=e)) for part in parts])
+                            for e in range(arch.moe.num_experts)])
+
+    return tensor
