@@ -3,9 +3,9 @@
 `apply()` is called by model.py before Megatron builds or runs anything; it does nothing when
 CUDA is available, and nothing the second time. Each bypass is one named function or
 attribute, with the assumption it bypasses. Three are torch.cuda functions that, without
-CUDA, raise ("Torch not compiled with CUDA enabled"): no caller that works without CUDA calls
-them (transformers, DeepSpeed and torch check torch.cuda.is_available() first), so none is
-changed but Megatron's. The rest are Megatron's own. Not bypassed, set instead (model.py):
+CUDA, raise ("Torch not compiled with CUDA enabled"), so only callers that would fail without
+CUDA see the change (the transformers, DeepSpeed and torch callers read check
+torch.cuda.is_available() first); they stay patched for the process's life. The rest are Megatron's own. Not bypassed, set instead (model.py):
 the RNG trackers (model_parallel_cuda_manual_seed with inference_rng_tracker=True),
 `use_cpu_initialization`, the fusions off, `batch_p2p_comm=False`.
 """
