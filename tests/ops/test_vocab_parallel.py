@@ -38,20 +38,13 @@ import pytest
 import torch
 
 from hpsft.ops import varlen_linear_cross_entropy
-from test_varlen_ce import assert_close
+from test_varlen_ce import OPTIONS, assert_close
 from varlen_ce_reference import IGNORE, make_batch, reduce_rows, reference_rows
 from tests.conftest import REPO, run_cli
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "vocab_parallel_cases.py")
 V, H = 37, 16
 PAD_MULTIPLE = 8  # Megatron pads the vocabulary to a multiple of TP x make_vocab_size_divisible_by (128)
-OPTIONS = {
-    "plain": {},
-    "label_smoothing": {"label_smoothing": 0.1},
-    "z_loss": {"z_loss_weight": 0.01},
-    "softcap": {"softcap": 2.5},
-    "all": {"label_smoothing": 0.2, "z_loss_weight": 0.003, "softcap": 4.0},
-}
 ALL = OPTIONS["all"]
 
 
