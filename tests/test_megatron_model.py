@@ -65,7 +65,8 @@ def test_one_process_equals_the_hf_models_own_forward_on_each_sequence(tmp_path)
     q/k/v bias and a sliding window on layer 1, Qwen3 with q/k norm, Mistral's window, Mixtral
     and Qwen2-MoE's gated shared expert with the family's router loss on, its coefficient 0.1):
     4 packed rows of 10 uneven sequences through Megatron's
-    schedule; loss and every gradient (gathered back to Hugging Face names) equal the Hugging
+    schedule with hpsft's vocabulary-parallel fused loss on the final hidden states and the
+    LM-head shard; loss and every gradient (gathered back to Hugging Face names) equal the Hugging
     Face model's eager forward on each sequence alone; the weights, read from the model's
     save_pretrained folder (MoE experts in the checkpoint's per-expert layout, fused on load), go
     there and back bit-identical;
@@ -79,8 +80,8 @@ def test_one_process_equals_the_hf_models_own_forward_on_each_sequence(tmp_path)
     6.2e-3 / 59, Qwen3 6.0e-4 / 2.0; gate and up swapped (convert.gated_fc1_pieces): Llama
     9.4e-5 / 0.21, Mixtral 3.9e-5 / 0.30; Megatron's own RoPE frequencies instead of the HF
     model's (the llama3 scaling dropped, model.build_model): Llama 3.3e-6 / 0.24 (the loss alone
-    would have passed); the padded vocabulary rows left in the softmax (HeadShard.valid_rows =
-    all rows): 4.2e-3 / 6.1e-3; attention across the row's sequences (PackedCoreAttention
+    would have passed); the padded vocabulary rows made classes of the loss (HeadShard.vocab_size
+    = the padded size): 4.2e-3 / 6.1e-3 (also at TP=2); attention across the row's sequences (PackedCoreAttention
     without cu_seqlens): Llama 3.6e-3 / 1.0, Qwen3 1.3e-3 / 1.2; the sliding window dropped:
     Qwen2 1.4e-4 / 0.70, Mistral 1.2e-3 / 0.58; the router loss of the first MoE layer's logits
     only (model.router_aux_loss): Mixtral 1.5e-3 / 2.5, Qwen2-MoE 1.1e-2 / 3.5. Not a bug: positions running on across the

@@ -8,9 +8,9 @@ For each FAMILY (a tiny random model of tests/megatron_models.py) and layout: pa
 initialised for TP x PP x EP (DP = the rest), the GPTModel built and loaded from the Hugging
 Face model's save_pretrained folder (convert.hf_folder_tensor, load_hf_weights), wrapped in Megatron's
 DistributedDataParallel, and Megatron's own schedule (get_forward_backward_func: 1F1B under
-PP) runs the ROWS packed rows (data-parallel rank d takes rows d, d + DP, ...) with the loss
-the fused op will take: the final hidden states times this TP rank's LM-head shard, the
-vocabulary padding masked, summed over the loss tokens, divided by the step's loss-token count
+PP) runs the packed rows (data-parallel rank d takes rows d, d + DP, ...) with hpsft's
+vocabulary-parallel fused loss on the final hidden states and this TP rank's LM-head shard,
+summed over the loss tokens, divided by the step's loss-token count
 (Megatron's calculate_per_token_loss and finalize_model_grads); then one step of Megatron's
 distributed optimizer. Rank 0 gathers the weights (round trip), the gradients and the stepped
 weights back to Hugging Face names (convert.gathered_hf_tensors) and compares them with the
@@ -30,7 +30,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.megatron_models import PACKED_ROWS, hf_reference, tiny_config  # noqa: E402
@@ -38,6 +37,8 @@ from tests.megatron_models import PACKED_ROWS, hf_reference, tiny_config  # noqa
 from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels  # noqa: E402
 from hpsft.engine.megatron import convert  # noqa: E402
 from hpsft.engine.megatron import model as mmodel  # noqa: E402
+from hpsft.ops import varlen_linear_cross_entropy  # noqa: E402
+from hpsft.ops.vocab_parallel import sum_grad_over_tp  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -47,19 +48,19 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def loss_of_hidden(model, labels, n_tokens: int, router_logits, hidden):
-    """The test's stand-in for the vocabulary-parallel fused loss: logits of this TP rank's
-    shard (padded rows masked out), gathered over TP, cross-entropy summed over loss tokens;
-    with the MoE router loss on, + its coefficient x the row's router loss x the row's loss
-    tokens (hpsft's weighting: the step's loss divides by its loss tokens)."""
-    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                               gather_from_tensor_model_parallel_region)
+    """hpsft's vocabulary-parallel fused loss on the final hidden states and this TP rank's
+    LM-head shard (the padded rows excluded), summed over the row's loss tokens; with the MoE
+    router loss on, + its coefficient x the row's router loss x the row's loss tokens (hpsft's
+    weighting: the step's loss divides by its loss tokens)."""
+    from megatron.core import parallel_state as ps
 
     head = mmodel.head_shard(model.module)
-    # Each TP rank's logits give d(hidden) for its vocabulary only: summed over TP in backward.
-    local = copy_to_tensor_model_parallel_region(hidden[:, 0]) @ head.weight.t()
-    padded = torch.arange(local.shape[1]) >= head.valid_rows
-    logits = gather_from_tensor_model_parallel_region(local.masked_fill(padded, float("-inf")))
-    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    tp_group = ps.get_tensor_model_parallel_group()
+    # The op's d(hidden) is this rank's part (its vocabulary rows): summed over TP in backward.
+    out = varlen_linear_cross_entropy(sum_grad_over_tp(hidden[:, 0], tp_group), head.weight, labels=labels,
+                                      reduction="sum", tp_group=tp_group, vocab_start=head.vocab_start,
+                                      vocab_size=head.vocab_size)
+    loss = out.loss
     if router_logits is not None:
         arch = model.module.hf_architecture
         loss = loss + arch.moe.router_aux_loss_coef * mmodel.router_aux_loss(arch, router_logits.take()) * n_tokens

@@ -181,17 +181,18 @@ def forward_packed_row(model, input_ids: torch.Tensor, offsets: torch.Tensor, ma
 
 @dataclass
 class HeadShard:
-    """This TP rank's rows of the LM head: weight[:valid_rows] are the logits of tokens
-    vocab_start .. vocab_start + valid_rows - 1; rows past valid_rows pad the vocabulary to
-    a multiple of TP and must not be classes of the loss (the loss takes weight[:valid_rows],
-    or masks the rest to -inf)."""
+    """This TP rank's rows of the LM head, for hpsft's vocabulary-parallel fused loss
+    (varlen_linear_cross_entropy(hidden, weight, tp_group=..., vocab_start=..., vocab_size=...)):
+    weight row i is the logit of token vocab_start + i; rows at or past vocab_size (the real
+    vocabulary) pad it to a multiple of TP and are no class of the loss (the op never multiplies
+    them; they get no gradient and stay zero)."""
     weight: torch.nn.Parameter
     vocab_start: int
-    valid_rows: int
+    vocab_size: int
 
     @property
-    def valid_weight(self) -> torch.Tensor:
-        return self.weight[: self.valid_rows]
+    def valid_rows(self) -> int:
+        return max(0, min(self.weight.shape[0], self.vocab_size - self.vocab_start))
 
 
 def head_shard(model) -> HeadShard:
@@ -204,9 +205,8 @@ def head_shard(model) -> HeadShard:
         raise ValueError("head_shard: this rank is not on the last pipeline stage")
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
         else model.output_layer.weight
-    rows = weight.shape[0]
-    start = parallel_state.get_tensor_model_parallel_rank() * rows
-    return HeadShard(weight, start, max(0, min(rows, model.hf_architecture.vocab_size - start)))
+    start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
+    return HeadShard(weight, start, model.hf_architecture.vocab_size)
 
 
 class RouterLogits:
