@@ -64,7 +64,8 @@ def build_engine(shape: str, dtype: str, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hpsft.config.schema import EngineConfig, OptimConfig
-    from hpsft.engine.deepspeed_engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
+    from hpsft.utils.distributed import Mesh
     from hpsft.models import PackedCausalLM
     from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
@@ -73,7 +74,8 @@ def build_engine(shape: str, dtype: str, device: torch.device):
     torch.manual_seed(0)
     with device:  # random init on the device: seconds on a GPU, not minutes on its host
         lm = LlamaForCausalLM(config)
-    engine = DeepSpeedEngine(EngineConfig(zero_stage=1, dtype=dtype), OptimConfig(), total_steps=1000)
+    engine = DeepSpeedEngine(EngineConfig(zero_stage=1, dtype=dtype), OptimConfig(), total_steps=1000,
+                             mesh=Mesh(dp_size=1))  # one process
     engine.initialize(PackedCausalLM(lm))
     return engine, lm
 
@@ -147,9 +149,9 @@ def main() -> None:
         sync()
         seconds = time.perf_counter() - start
         flops = model_flops(body, head, lm.config.num_hidden_layers, lm.config.hidden_size, lengths, loss_tokens)
-        loss = statistics.fmean(float(out["loss"] / out["n_tokens"]) for out in result["outputs"])
+        loss = statistics.fmean(float(out["loss"] / out["n_tokens"]) for out in result.outputs)
         rows.append({"step": index, "seconds": seconds, "tokens": sum(lengths), "flops": flops, "loss": loss,
-                     "grad_norm": result["grad_norm"]})
+                     "grad_norm": result.grad_norm})
     measured = rows[1:] or rows
     seconds = statistics.median(r["seconds"] for r in measured)
     tokens_per_s = world * measured[0]["tokens"] / seconds

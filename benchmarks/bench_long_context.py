@@ -120,7 +120,7 @@ def measure(args) -> None:
     from hpsft.config import load_config
     from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
     from hpsft.data.sequence_split import split_row
-    from hpsft.engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
     from hpsft.models import PackedCausalLM, load_causal_lm
     from hpsft.models.tiled_mlp import tile_mlps
     from hpsft.workers.training_worker import token_mean_loss
@@ -131,14 +131,15 @@ def measure(args) -> None:
     config = load_config(None, [f"model.path={args.model}", f"engine.zero_stage={args.zero_stage}",
                                 f"model.gradient_checkpointing={str(layout['checkpointing']).lower()}",
                                 "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=2)
+    place = distributed.Mesh.of_world(distributed.world_size(), distributed.rank(), sp_size=sp)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=2, mesh=place)
     model = PackedCausalLM(load_causal_lm(config.model.path, gradient_checkpointing=layout["checkpointing"]))
     engine.initialize(model)
     if layout["tiled"]:
         tile_mlps(model.lm, args.tile_tokens)
-    _, _, sp_rank = distributed.sequence_parallel_layout(sp)
+    sp_rank = place.sp_rank
     if sp > 1:
-        model.enable_sequence_parallel(distributed.sequence_parallel_group(sp), sp, sp_rank)
+        model.enable_sequence_parallel(distributed.sequence_parallel_group(place), sp, sp_rank)
 
     def step(length: int) -> None:
         generator = torch.Generator().manual_seed(length)

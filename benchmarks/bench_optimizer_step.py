@@ -42,12 +42,13 @@ def main() -> None:
     from hpsft.utils import distributed
     from hpsft.config.schema import EngineConfig, OptimConfig
     from hpsft.data.batch import collate_jagged, packed_row
-    from hpsft.engine.deepspeed_engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
+    from hpsft.utils.distributed import Mesh
     from hpsft.models import PackedCausalLM, load_causal_lm
 
     class EngineWithAdamW(DeepSpeedEngine):
         def __init__(self, fused: bool):
-            super().__init__(EngineConfig(), OptimConfig(), total_steps=1000)
+            super().__init__(EngineConfig(), OptimConfig(), total_steps=1000, mesh=Mesh(dp_size=1))  # one process
             self.fused = fused
 
         def build_optimizer(self, module):

@@ -122,7 +122,7 @@ def worker(args) -> None:
     from hpsft.config import load_config
     from hpsft.data.batch import target_mask
     from hpsft.data.device_feed import device_feed, pinned
-    from hpsft.engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
     from hpsft.models import PackedCausalLM
     from hpsft.models.tensor_parallel import check_tensor_parallel
     from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
@@ -143,7 +143,7 @@ def worker(args) -> None:
     with device:
         lm = LlamaForCausalLM(lm_config)
     parameters = sum(p.numel() for p in lm.parameters())
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1000)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1000, mesh=distributed.mesh(config.engine))
     engine.initialize(PackedCausalLM(lm))
     counted = {}
     optimizer_step = engine.engine.optimizer.step
@@ -171,7 +171,7 @@ def worker(args) -> None:
         result = engine.train_batch(micro_batches, lambda out: token_mean_loss(out, total))
         sync()
         times.append(time.perf_counter() - start)
-        losses.append(sum(float(out["nll"]) for out in result["outputs"]) / total)
+        losses.append(sum(float(out["nll"]) for out in result.outputs) / total)
     time.sleep(0.02)  # one more RssAnon sample
     out = {"rank": distributed.rank(), "tp": tp, "parameters": parameters, "step_s": times, "losses": losses,
            "tokens_per_step": args.tokens * args.micro_batches, "threads": torch.get_num_threads(),

@@ -71,7 +71,8 @@ def timed(obj, name: str, part: str, times: dict) -> None:
 
 def build_engine(variant: str, model: str):
     from hpsft.config.schema import EngineConfig, OptimConfig
-    from hpsft.engine.deepspeed_engine import DeepSpeedEngine
+    from hpsft.engine.deepspeed import DeepSpeedEngine
+    from hpsft.utils.distributed import Mesh
     from hpsft.models import PackedCausalLM, load_causal_lm
 
     stage, forced_stage, zero_overrides = VARIANTS[variant]
@@ -92,7 +93,7 @@ def build_engine(variant: str, model: str):
                     group["fused"] = False  # read at every step()
             return optimizer
 
-    engine = Variant(EngineConfig(zero_stage=stage), OptimConfig(), total_steps=1000)
+    engine = Variant(EngineConfig(zero_stage=stage), OptimConfig(), total_steps=1000, mesh=Mesh(dp_size=1))
     engine.initialize(PackedCausalLM(load_causal_lm(model)))
     times = defaultdict(float)
     ds = engine.engine

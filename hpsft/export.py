@@ -2,11 +2,10 @@
 
 CHECKPOINT is a `checkpoints/global_step_N` folder or a run's output_dir (its newest intact
 checkpoint). One process on the CPU, whatever the number of ranks and the ZeRO stage (0-3)
-that wrote it: DeepSpeed's zero_to_fp32 reassembles the fp32 weights from ZeRO's shards, read
-lazily one tensor at a time (without ZeRO its model file holds them whole; with tensor
-parallelism DeepSpeed's universal conversion merges the TP slices first, into a scratch folder
-beside OUT_DIR), and they are written as the end of a run writes hf/ (safetensors shards,
-config, tokenizer with the run's chat template).
+that wrote it: the engine that wrote it reads its fp32 weights back (DeepSpeed's: reassembled
+from ZeRO's shards lazily, one tensor at a time; with tensor parallelism the TP slices are
+merged first, into a scratch folder beside OUT_DIR), and they are written as the end of a run
+writes hf/ (safetensors shards, config, tokenizer with the run's chat template).
 
 A LoRA run's checkpoint holds its adapters only (its settings are in run_fingerprint.json);
 the base weights are read from the model folder, which must be the one it was trained on.
@@ -18,7 +17,6 @@ adapter_model.safetensors, and the tokenizer), for peft.PeftModel.from_pretraine
 import argparse
 import sys
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
@@ -70,55 +68,13 @@ def run_config(checkpoint: Path):
     return load_config(file, [])
 
 
-class UniversalWeights(Mapping):
-    """The fp32 weights of a DeepSpeed universal checkpoint folder (`zero/<name>/fp32.pt`), each
-    read from its file when asked."""
-
-    def __init__(self, universal: Path):
-        self.zero = universal / "zero"
-        self.names = sorted(p.name for p in self.zero.iterdir() if p.is_dir())
-
-    def __getitem__(self, name: str):
-        import torch
-        from deepspeed.checkpoint.constants import PARAM
-
-        if name not in self.names:
-            raise KeyError(name)
-        return torch.load(self.zero / name / "fp32.pt", map_location="cpu", weights_only=True)[PARAM]
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
 def checkpoint_tensors(checkpoint: Path, expected: set[str], scratch: Path) -> dict:
-    """The checkpoint's fp32 tensors, reassembled lazily from its ZeRO shards (each when asked),
-    or without ZeRO the module in its model file (memory-mapped), or with tensor parallelism
-    from DeepSpeed's universal checkpoint written under `scratch` (the TP slices merged); it
-    must hold exactly `expected`."""
-    import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    """The checkpoint's fp32 tensors as its engine reads them back (reassembled from shards
+    lazily, each when asked; hpsft.engine.checkpoint_weights), with `scratch` for any files that
+    takes on the way; it must hold exactly `expected`."""
+    from hpsft.engine import checkpoint_weights
 
-    from hpsft.engine.universal import MODEL_STATES, to_universal
-
-    if list(checkpoint.glob("mp_rank_01_*")):
-        # AutoTP: one model file per TP rank (zero_to_fp32 would read the first TP rank's slices
-        # as whole weights). DeepSpeed's universal conversion merges each parameter's slices by
-        # the row/column/replicated patterns AutoTP recorded in the checkpoint, onto disk.
-        to_universal(checkpoint, scratch / "universal")
-        lazy = UniversalWeights(scratch / "universal")
-    elif list(checkpoint.glob("*optim_states.pt")):
-        lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True)
-    elif (checkpoint / MODEL_STATES).is_file():  # written without ZeRO (one process runs ZeRO-1/2 so)
-        # DeepSpeed's file holds pickled objects beside the tensors (docs/checkpoints.md: a
-        # checkpoint is code, as with the ZeRO path above).
-        module = torch.load(checkpoint / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)["module"]
-        lazy = {name: tensor.float() for name, tensor in module.items()}
-    else:
-        raise UserInputError(f"{checkpoint}: neither ZeRO optimizer shards (*optim_states.pt) nor {MODEL_STATES}: "
-                             "not a DeepSpeed checkpoint")
+    lazy = checkpoint_weights(checkpoint, scratch)
     missing, unexpected = expected - set(lazy), set(lazy) - expected
     if missing or unexpected:
         raise UserInputError(
@@ -208,7 +164,7 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
         chat_template = config.data.chat_template
     folder = check_model_path(model_path, trust_remote_code)
     model_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    model_config.dtype = torch.float32  # the weights zero_to_fp32 recovers
+    model_config.dtype = torch.float32  # the weights the checkpoint holds
     with torch.device("meta"):  # names, shapes and ties only: no memory
         lm = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
         if lora_settings is not None:

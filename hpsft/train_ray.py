@@ -54,7 +54,9 @@ def main(argv=None) -> int:
         return 2
     try:
         config = load_config(args.config, args.overrides)
-        config.ray.data_parallel_size(config.engine)  # a mesh the workers cannot hold: refused before Ray starts
+        from hpsft.utils.distributed import workers_mesh  # torch, not ray: before connect() is fine
+
+        workers_mesh(config.ray, config.engine)  # a mesh the workers cannot hold: refused before Ray starts
         connect(config.ray.address)  # before anything imports ray (its settings are read at import)
     except UserInputError as err:  # a ConfigError is one
         return report_user_error(err)

@@ -143,6 +143,6 @@ def test_step_results_combine_over_ranks_by_their_fields_rule():
     reduced = rank_result([1.5, 0.0, 2.5], [3, 0, 5], nll_sum=4.0).all_reduced()
     assert reduced.source_nll_sums == [1.5, 0.0, 2.5] and reduced.source_loss_tokens == [3, 0, 5]
     assert reduced.nll_sum == 4.0 and reduced.loss_tokens == 1.0 and reduced.rss_anon_bytes == 7
-    second_tp_rank = rank_result([1.5, 2.0], [3, 1]).counted_once(first_tp_rank=False)
+    second_tp_rank = rank_result([1.5, 2.0], [3, 1]).counted_once(reports=False)
     assert second_tp_rank.loss_tokens == 0 and second_tp_rank.source_loss_tokens == [0.0, 0.0]
     assert second_tp_rank.flops == 5.0 and second_tp_rank.grad_norm == 0.5

@@ -9,6 +9,7 @@ from hpsft.config.schema import DataConfig, EngineConfig, LossConfig, ModelConfi
 from hpsft.data.batch import collate_jagged, packed_row, select
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.device_feed import PREFETCH_FACTOR, device_feed, loader_options
+from hpsft.utils.distributed import Mesh
 from hpsft.workers import TrainingWorker
 
 PREFETCHING = {"num_workers": 1, "prefetch_factor": PREFETCH_FACTOR, "persistent_workers": True}
@@ -32,7 +33,8 @@ def test_a_cuda_run_pins_its_rows_and_prefetches_a_cpu_run_does_neither():
 @pytest.fixture(scope="module")
 def worker_and_batch(tokenizer, chat_rows):
     data = DataConfig(train_files=["unused.parquet"], max_tokens_per_micro_batch=160, max_length=160)
-    worker = TrainingWorker(ModelConfig(), LossConfig(), EngineConfig(), OptimConfig(), data, total_steps=1)
+    worker = TrainingWorker(ModelConfig(), LossConfig(), EngineConfig(), OptimConfig(), data, total_steps=1,
+                            mesh=Mesh(dp_size=1))
     samples = []
     for index, messages in enumerate(chat_rows[:6]):
         input_ids, loss_mask = tokenize_conversation(tokenizer, messages)

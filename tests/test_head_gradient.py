@@ -1,5 +1,5 @@
 """bf16 ZeRO-1: the fused loss sums d(lm_head.weight) in fp32 straight into DeepSpeed's
-BF16_Optimizer gradient (DeepSpeedEngine.head_gradient_into), through the real engine (gloo,
+BF16_Optimizer gradient (hpsft/engine/deepspeed/head_gradient.py), through the real engine (gloo,
 CPU) on a 2-layer Llama 64 wide with a 512-token vocabulary, head tied and untied
 (tests/dist_scripts/head_gradient_steps.py runs the steps).
 

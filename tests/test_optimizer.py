@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from hpsft.config.schema import EngineConfig, OptimConfig
-from hpsft.engine.deepspeed_engine import GPU_ZERO_COMMUNICATION, DeepSpeedEngine
+from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.engine.deepspeed.config import GPU_ZERO_COMMUNICATION
 from hpsft.engine.grad_norm import global_grad_norm
+from hpsft.utils.distributed import Mesh
 from tests.conftest import REPO, run_cli, write_tiny_llama
 
 
@@ -31,7 +33,7 @@ def test_cpu_optimizer_is_fused_adamw_and_matches_the_fp64_reference():
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 1000))
     optim = OptimConfig(lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8)
-    optimizer = DeepSpeedEngine(EngineConfig(), optim, total_steps=10).build_optimizer(module)
+    optimizer = DeepSpeedEngine(EngineConfig(), optim, total_steps=10, mesh=Mesh(dp_size=1)).build_optimizer(module)
     assert type(optimizer) is torch.optim.AdamW and all(group["fused"] for group in optimizer.param_groups)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     weight_decays = [group["weight_decay"] for group in optimizer.param_groups for _ in group["params"]]
@@ -57,7 +59,8 @@ def test_a_gpu_run_gets_fused_adamw_and_overlapped_zero_communication():
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     for on_cuda in (True, False):
         for stage in (0, 1, 2, 3):
-            engine = DeepSpeedEngine(EngineConfig(zero_stage=stage), OptimConfig(), total_steps=10)
+            # Two ranks: in one process fp32 ZeRO-1/2 runs without ZeRO (zero_stage_to_run).
+            engine = DeepSpeedEngine(EngineConfig(zero_stage=stage), OptimConfig(), total_steps=10, mesh=Mesh(dp_size=2))
             engine.on_cuda = on_cuda
             optimizer = engine.build_optimizer(module)
             assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
@@ -67,7 +70,8 @@ def test_a_gpu_run_gets_fused_adamw_and_overlapped_zero_communication():
     assert GPU_ZERO_COMMUNICATION == {"overlap_comm": True, "contiguous_gradients": True,
                                       "reduce_bucket_size": 200_000_000, "allgather_bucket_size": 200_000_000}
     # ZeRO-Offload on a GPU machine steps on the CPU: DeepSpeed's CPU Adam, not torch's.
-    engine = DeepSpeedEngine(EngineConfig(zero_stage=2, offload_optimizer=True), OptimConfig(), total_steps=10)
+    engine = DeepSpeedEngine(EngineConfig(zero_stage=2, offload_optimizer=True), OptimConfig(), total_steps=10,
+                             mesh=Mesh(dp_size=2))
     engine.on_cuda = True
     assert engine.deepspeed_config()["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
 

@@ -19,8 +19,9 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, GemmaConfig, Llama
                           MixtralConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config)
 
 from hpsft.config import load_config
-from hpsft.utils.distributed import Mesh, mesh
+from hpsft.utils.distributed import Mesh, mesh, workers_mesh
 from hpsft.config.load import ConfigError
+from hpsft.config.schema import EngineConfig
 from hpsft.utils.errors import UserInputError
 from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.models.ulysses_attention import check_heads
@@ -135,10 +136,10 @@ def test_the_mesh_puts_a_tp_group_on_consecutive_ranks_and_refuses_a_size_not_di
     places = [Mesh(dp_size=2, tp_size=2, sp_size=2, rank=r) for r in range(8)]
     assert [(p.dp_rank, p.tp_rank, p.sp_rank) for p in places] == [
         (0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 0), (1, 1, 0), (1, 0, 1), (1, 1, 1)]
-    assert places[0].sequence_parallel_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert Mesh(dp_size=2, tp_size=1, sp_size=2, rank=0).sequence_parallel_ranks() == [[0, 1], [2, 3]]
+    assert places[0].groups("sp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert Mesh(dp_size=2, tp_size=1, sp_size=2, rank=0).groups("sp") == [[0, 1], [2, 3]]
     with pytest.raises(UserInputError, match=r"engine.tensor_parallel_size=2 does not divide the world size 1"):
-        mesh(tp_size=2)  # this process alone: a world of 1
+        mesh(EngineConfig(tensor_parallel_size=2))  # this process alone: a world of 1
 
 
 def test_a_tp_group_that_would_span_two_ray_nodes_is_refused_before_ray_starts(tmp_path, capsys):
@@ -156,7 +157,7 @@ def test_a_tp_group_that_would_span_two_ray_nodes_is_refused_before_ray_starts(t
         "group's ranks run on one node; use a TP size that divides the workers per node\n")
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     config = load_config(None, ["engine.tensor_parallel_size=2", "ray.nnodes=2", "ray.n_workers_per_node=2"])
-    assert config.ray.data_parallel_size(config.engine) == 2
+    assert workers_mesh(config.ray, config.engine).dp_size == 2
 
 
 def sequence(n: int, seed: int) -> dict:
@@ -535,7 +536,7 @@ def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs, sp):
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    coordinates = "; ".join(Mesh(1, 2, sp, r).coordinates() for r in range(2 * sp))
+    coordinates = "; ".join(Mesh(1, 2, sp, rank=r).coordinates() for r in range(2 * sp))
     assert (f"hpsft: launcher ray: world size {2 * sp}, 1 node(s), {2 * sp} rank(s) per node; mesh DP 1 x TP 2 x "
             f"SP {sp}; {coordinates}") in proc.stdout
     groups = "".join(f"  ranks {r}-{r + 1}: node " for r in range(0, 2 * sp, 2))

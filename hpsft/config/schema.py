@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Optional
 
-from hpsft.utils.errors import UserInputError
-
 
 def check_choice(section: str, name: str, value, choices) -> None:
     if value not in choices:
@@ -247,15 +245,22 @@ class EngineConfig:
     sequence_parallel_size: int = 1
     # Tensor parallelism through DeepSpeed's AutoTP (docs/tensor_parallel.md): each decoder
     # layer's linear weights are split over this many ranks. The world is data-parallel size x
-    # tensor-parallel size x sequence-parallel size (hpsft/utils/distributed.py, Mesh).
+    # tensor-parallel size x sequence-parallel size (x pipeline-parallel size): hpsft/utils/distributed.py, Mesh.
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: the decoder layers split into this many stages (an engine that has it).
+    pipeline_parallel_size: int = 1
+    # Expert parallelism: an MoE layer's experts spread over this many of the data-parallel x
+    # sequence-parallel ranks (an engine that has it; the dense layout stays as it is).
+    expert_parallel_size: int = 1
 
     def __post_init__(self):
         check_choice("engine", "zero_stage", self.zero_stage, {0, 1, 2, 3})
-        check_positive("engine", "sequence_parallel_size", self.sequence_parallel_size)
-        check_positive("engine", "tensor_parallel_size", self.tensor_parallel_size)
+        for size in ("sequence", "tensor", "pipeline", "expert"):
+            check_positive("engine", f"{size}_parallel_size", getattr(self, f"{size}_parallel_size"))
         if self.tensor_parallel_size > 1:
             self.check_tensor_parallel()
+        if self.name == "deepspeed":
+            self.check_deepspeed_parallelism()
         check_choice("engine", "dtype", self.dtype, {"float32", "bfloat16"})
         check_positive("engine", "collective_timeout_s", self.collective_timeout_s)
         if self.offload_params and self.zero_stage != 3:
@@ -277,6 +282,15 @@ class EngineConfig:
             raise ValueError(f"{tp} needs engine.zero_stage=1 or 2, got {self.zero_stage}")
         if self.offload_optimizer:
             raise ValueError(f"{tp} with engine.offload_optimizer=true is not supported (not tested)")
+
+    def check_deepspeed_parallelism(self):
+        """The DeepSpeed engine has no pipeline or expert parallelism (DeepSpeed's own pipeline
+        engine takes no Hugging Face model as it is, and its MoE layers are its own)."""
+        for kind in ("pipeline", "expert"):
+            size = getattr(self, f"{kind}_parallel_size")
+            if size > 1:
+                raise ValueError(f"engine.{kind}_parallel_size={size}: engine.name=deepspeed has no {kind} "
+                                 f"parallelism; use engine.{kind}_parallel_size=1")
 
 
 @dataclass(frozen=True)
@@ -392,24 +406,6 @@ class RayConfig:
             check_positive("ray", name, getattr(self, name))
         check_positive("ray", "call_timeout_s", self.call_timeout_s)  # None passes: no timeout
         check_positive("ray", "max_restarts", self.max_restarts, allow_zero=True)
-
-    def data_parallel_size(self, engine: "EngineConfig") -> int:
-        """The workers' data-parallel size: they are DP x TP x SP, and rank r runs on node
-        r // n_workers_per_node, so a TP group (consecutive ranks, distributed.Mesh) stays on one
-        node, where its collectives (every layer, forward and backward) are cheapest, only if TP
-        divides n_workers_per_node. Checked before Ray starts (hpsft.train_ray) and by the driver."""
-        workers = self.nnodes * self.n_workers_per_node
-        sp, tp = engine.sequence_parallel_size, engine.tensor_parallel_size
-        if self.n_workers_per_node % tp:
-            raise UserInputError(f"engine.tensor_parallel_size={tp} does not divide ray.n_workers_per_node="
-                                 f"{self.n_workers_per_node}: a tensor-parallel group's ranks run on one node; use a "
-                                 "TP size that divides the workers per node")
-        if workers % (sp * tp):  # TP divides the workers (above): SP does not fit
-            group = f"engine.sequence_parallel_size={sp}" + (f" x engine.tensor_parallel_size={tp}" if tp > 1 else "")
-            raise UserInputError(f"{group} does not divide the {workers} Ray workers (ray.nnodes x "
-                                 "ray.n_workers_per_node): the world is data-parallel size x sequence-parallel size"
-                                 + (" x tensor-parallel size" if tp > 1 else ""))
-        return workers // (sp * tp)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """Training engines: the contract (base.py), the factory that picks one by engine.name
-(factory.py) and the DeepSpeed ZeRO implementation (deepspeed_engine.py, with its optimizer,
-gradient norm and checkpoint layout conversion in optimizer.py, grad_norm.py, universal.py)."""
+(factory.py), one package per engine (deepspeed/: DeepSpeed ZeRO), and what engines share:
+the optimizer and LR schedule (optimizer.py) and the gradient norm without ZeRO (grad_norm.py)."""
 
-from hpsft.engine.base import TrainEngine
-from hpsft.engine.deepspeed_engine import DeepSpeedEngine
-from hpsft.engine.factory import build_engine, engine_class
+from hpsft.engine.base import EngineStep, TrainEngine
+from hpsft.engine.factory import build_engine, checkpoint_weights, engine_class
 
-__all__ = ["DeepSpeedEngine", "TrainEngine", "build_engine", "engine_class"]
+__all__ = ["EngineStep", "TrainEngine", "build_engine", "checkpoint_weights", "engine_class"]

@@ -1,8 +1,11 @@
 """Load a Hugging Face model folder, failing early with a message that says what to fix."""
 
+import contextlib
 import importlib.util
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -73,21 +76,30 @@ def resolve_attn_implementation(name: str) -> str:
 
 
 def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkpointing: bool = False,
-                   trust_remote_code: bool = False, zero3_config: dict | None = None) -> torch.nn.Module:
-    """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself); with a
-    DeepSpeed ZeRO-3 config, built partitioned across the ranks (see partitioned.py)."""
+                   trust_remote_code: bool = False,
+                   model_init: Callable[[], AbstractContextManager[bool]] | None = None) -> torch.nn.Module:
+    """The model in fp32 (DeepSpeed keeps fp32 masters and casts for bf16 itself), built inside
+    `model_init()` (an engine's TrainEngine.model_init; default: built whole). When that context
+    partitions the model across the ranks as it is built (ZeRO-3), the weights are loaded after it
+    one tensor at a time (see partitioned.py)."""
     from transformers import AutoModelForCausalLM
 
     attn_implementation = resolve_attn_implementation(attn_implementation)
     folder = check_model_path(path, trust_remote_code)
-    if zero3_config is not None:
-        from hpsft.models.partitioned import build_partitioned_causal_lm
+    with (model_init or (lambda: contextlib.nullcontext(False)))() as partitioned:
+        if partitioned:
+            from hpsft.models.partitioned import empty_causal_lm
 
-        model = build_partitioned_causal_lm(folder, zero3_config, attn_implementation, trust_remote_code)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-        )
+            model = empty_causal_lm(folder, attn_implementation, trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+            )
+    if partitioned:
+        from hpsft.models.partitioned import load_weights_partitioned
+
+        load_weights_partitioned(model, folder)
     model.config.use_cache = False  # a KV cache is useless in training and breaks packing (see PackedCausalLM)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

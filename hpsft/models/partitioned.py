@@ -1,7 +1,7 @@
 """Build a Hugging Face causal LM partitioned for ZeRO-3: no rank ever holds the whole model.
 
-The model is built under `deepspeed.zero.Init` (each module's parameters are split across the
-ranks as the module is created). transformers' own ZeRO-3 `from_pretrained` would then have
+The model is constructed inside the engine's model_init() (`deepspeed.zero.Init`: each module's
+parameters are split across the ranks as the module is created). transformers' own ZeRO-3 `from_pretrained` would then have
 rank 0 read every weight file into memory at once, so the weights are copied here one tensor
 at a time instead: every rank gathers one parameter, rank 0 copies it from the safetensors
 file (memory-mapped, read tensor by tensor), and the parameter is partitioned again.
@@ -62,11 +62,43 @@ def check_weights_match(lm: nn.Module, folder: Path, files: list[Path]) -> None:
         )
 
 
+def release_freed_memory() -> None:
+    """Hand the heap memory freed by the build back to the system: glibc keeps the many
+    per-module temporaries' chunks otherwise, and the rank's resident memory stays well above
+    what it holds (measured on SmolLM2-135M: 570 MiB resident for 310 MiB of tensors)."""
+    libc = ctypes.util.find_library("c")
+    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+
+
+def empty_causal_lm(folder: Path, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
+    """The model of `folder` in fp32 with its weights not initialised, to be built inside the
+    engine's model_init() (deepspeed.zero.Init, with the config the engine then runs), which
+    partitions it as it is built; load_weights_partitioned then fills it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    # What transformers' own ZeRO-3 build does, without its random initialisation of every
+    # weight (a gather per module), since every weight is loaded next.
+    with no_init_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                trust_remote_code=trust_remote_code)
+
+
+def is_partitioned(lm: nn.Module) -> bool:
+    """Whether `lm` was built partitioned (its parameters are ZeRO-3's)."""
+    return any(hasattr(p, "ds_id") for p in lm.parameters())
+
+
 @torch.no_grad()
 def load_weights_partitioned(lm: nn.Module, folder: Path) -> None:
+    """Every weight of `folder` into the partitioned model `lm` (once its model_init() has ended),
+    one tensor at a time."""
     import deepspeed
     from safetensors import safe_open
 
+    lm.tie_weights()
     files = weight_files(folder)
     check_weights_match(lm, folder, files)
     tensors = dict(lm.named_parameters(remove_duplicate=False)) | dict(lm.named_buffers())
@@ -81,34 +113,6 @@ def load_weights_partitioned(lm: nn.Module, folder: Path) -> None:
                 with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
                     if rank0:
                         target.data.copy_(f.get_tensor(name))
-
-
-def release_freed_memory() -> None:
-    """Hand the heap memory freed by the build back to the system: glibc keeps the many
-    per-module temporaries' chunks otherwise, and the rank's resident memory stays well above
-    what it holds (measured on SmolLM2-135M: 570 MiB resident for 310 MiB of tensors)."""
-    libc = ctypes.util.find_library("c")
-    if libc and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
-
-
-def build_partitioned_causal_lm(folder: Path, deepspeed_config: dict, attn_implementation: str,
-                                trust_remote_code: bool) -> nn.Module:
-    """The model of `folder` in fp32, partitioned across the ranks as DeepSpeed's ZeRO-3
-    `deepspeed_config` says (the same config the engine is then built with)."""
-    import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.integrations.deepspeed import prevent_arange_dtype_change
-
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    # What transformers' own ZeRO-3 build does, without its random initialisation of every
-    # weight (a gather per module), since every weight is loaded next. prevent_arange_dtype_change
-    # keeps the rotary frequencies in the dtype their code asks for (it must come first).
-    with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=deepspeed_config):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
-                                              trust_remote_code=trust_remote_code)
-    lm.tie_weights()
-    load_weights_partitioned(lm, folder)
     release_freed_memory()
-    return lm
+
+

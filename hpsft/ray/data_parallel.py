@@ -5,11 +5,11 @@ count itself (no all-gather), splits the batch into per-rank shards balanced by 
 (hpsft/data/balance.py, as the SPMD ranks split it),
 sends each rank its shard and gathers the results. Which rank gets which sequence does not
 change the step: the loss is normalised by the loss tokens of the whole global batch.
-With sequence or tensor parallelism the batch is split over the data-parallel ranks
-(world / (TP x SP)) and every rank of a model-parallel group gets its group's shard (ranks
-r*G .. r*G+G-1 form group r, G = TP x SP, as under SPMD: distributed.Mesh); an SP rank returns
-its slices' share of the per-sequence results, which add up, and of a TP group only the first
-rank returns counts (the others zeros: TrainingWorker), so the sums count each row once.
+With sequence, tensor or pipeline parallelism the batch is split over the data-parallel ranks
+of the workers' Mesh (the one the SPMD ranks build, distributed.workers_mesh) and every rank
+gets its data-parallel rank's shard; an SP rank returns its slices' share of the per-sequence
+results, which add up, and of a TP (PP) group only the rank Mesh.reports_counts names returns
+counts (the others zeros: TrainingWorker), so the sums count each row once.
 """
 
 import torch
@@ -17,20 +17,21 @@ import torch
 from hpsft.data.balance import sequence_costs, split_by_cost
 from hpsft.data.batch import loss_token_count, select, seqlens
 from hpsft.ray.worker_group import PerRank, RayWorkerGroup
+from hpsft.utils.distributed import Mesh
 from hpsft.workers.step_result import StepResult
 
 
 class DataParallelWorker:
-    def __init__(self, group: RayWorkerGroup, model_parallel_size: int = 1, attention_hidden_size: int | None = None):
+    def __init__(self, group: RayWorkerGroup, mesh: Mesh, attention_hidden_size: int | None = None):
         self.group = group
-        self.model_parallel_size = model_parallel_size  # TP x SP: the ranks of a group share its rows
+        self.mesh = mesh  # the workers' (the driver has no rank in it)
         self.attention_hidden_size = attention_hidden_size  # data.balance=attention: cost of a sequence
 
     def shard(self, batch) -> tuple[list[list[int]], PerRank]:
         """The sample positions of each rank's shard, and the shards (one per rank)."""
         costs = sequence_costs(seqlens(batch).numpy(), self.attention_hidden_size)
-        dp_positions = split_by_cost(costs, self.group.world_size // self.model_parallel_size)
-        positions = [p for p in dp_positions for _ in range(self.model_parallel_size)]
+        dp_positions = split_by_cost(costs, self.mesh.dp_size)
+        positions = [dp_positions[self.mesh.at(rank).dp_rank] for rank in range(self.mesh.world_size)]
         return positions, PerRank(select(batch, p) for p in positions)
 
     def global_loss_tokens(self, batch) -> int:

@@ -4,8 +4,8 @@ resume, tracking and progress bar, run by one driver over a RayWorkerGroup.
 The driver is a single process outside torch.distributed (rank 0 of a world of one): it
 loads whole global batches (the same sequences per step as the SPMD ranks together) and
 hands them to DataParallelWorker, which shards them over the group's data-parallel ranks
-(workers / (TP x SP)). A tensor-parallel group is TP consecutive ranks of one node: TP must
-divide ray.n_workers_per_node (RayConfig.data_parallel_size). Checkpoints: the
+(the workers' Mesh, distributed.workers_mesh). A tensor-parallel group is TP consecutive ranks
+of one node: TP must divide ray.n_workers_per_node. Checkpoints: the
 workers write their engine shards, the driver the trainer state (step, data position in
 samples, RNG), as SPMD's rank 0 does: either kind of run resumes the other's. A lost worker
 (dead, or hung past ray.call_timeout_s) stops the run with an error naming its rank; with
@@ -20,6 +20,7 @@ from hpsft.ray.resource_pool import RayResourcePool
 from hpsft.ray.worker_group import ClassWithInitArgs, RayWorkerGroup, WorkerLostError
 from hpsft.trainer.rng import seed_everything
 from hpsft.trainer.sft_trainer import SFTTrainer
+from hpsft.utils.distributed import Mesh, workers_mesh
 from hpsft.workers import TrainingWorker
 
 
@@ -34,15 +35,14 @@ class RaySFTTrainer(SFTTrainer):
                 self.close()
             raise
 
-    def place_process(self) -> tuple[int, int, int, int]:
-        """The driver: rank 0 outside torch.distributed, loading whole global batches for the
-        workers' data-parallel ranks (workers / (TP x SP))."""
-        return 0, 0, self.config.ray.data_parallel_size(self.config.engine), 1
+    def build_mesh(self) -> Mesh:
+        """The workers' layout; the driver is outside it (rank None) and loads whole global
+        batches for their data-parallel ranks."""
+        return workers_mesh(self.config.ray, self.config.engine)
 
     def launch_description(self) -> str:
         ray_cfg = self.config.ray
-        world = ray_cfg.nnodes * ray_cfg.n_workers_per_node
-        return (f"launcher ray: world size {world}, {ray_cfg.nnodes} node(s), "
+        return (f"launcher ray: world size {self.mesh.world_size}, {ray_cfg.nnodes} node(s), "
                 f"{ray_cfg.n_workers_per_node} rank(s) per node")
 
     def build_data_runner(self) -> RayTaskRunner:
@@ -56,13 +56,12 @@ class RaySFTTrainer(SFTTrainer):
         group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend, cfg.trainer.seed, cfg.ray.call_timeout_s,
                                cfg.engine.collective_timeout_s)
         print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
-        tp = cfg.engine.tensor_parallel_size
-        if tp > 1:
-            print("hpsft: tensor-parallel groups, each on one node:\n  " + "\n  ".join(group.node_groups(tp)),
-                  flush=True)
+        if self.mesh.tp_size > 1:
+            print("hpsft: tensor-parallel groups, each on one node:\n  "
+                  + "\n  ".join(group.node_groups(self.mesh.groups("tp"))), flush=True)
         group.init_model().get()
         hidden = self.model_hidden_size() if cfg.data.balance == "attention" else None
-        return DataParallelWorker(group, cfg.engine.sequence_parallel_size * tp, hidden)
+        return DataParallelWorker(group, self.mesh, hidden)
 
     def fit(self) -> None:
         restarts = 0

@@ -237,20 +237,21 @@ class RayWorkerGroup:
                 + (f", GPU {','.join(map(str, p.gpu_ids))}" if p.gpu_ids else "")
                 for rank, p in enumerate(self.processes)]
 
-    def node_groups(self, size: int) -> list[str]:
-        """One line per run of `size` consecutive ranks (a tensor-parallel group, distributed.Mesh):
-        its ranks and the node they run on. A run over two nodes stops the group: its collectives,
-        at every layer, would cross the network (RayResourcePool puts a node's ranks in one
-        bundle; ray.n_workers_per_node is a multiple of `size`)."""
+    def node_groups(self, groups: list[list[int]]) -> list[str]:
+        """One line per group of consecutive ranks (the tensor-parallel groups, Mesh.groups("tp")):
+        its ranks and the node they run on. A group over two nodes stops the worker group: its
+        collectives, at every layer, would cross the network (RayResourcePool puts a node's ranks
+        in one bundle; ray.n_workers_per_node is a multiple of the TP size)."""
         lines = []
-        for first in range(0, self.world_size, size):
-            nodes = {(p.node_ip, p.node_id) for p in self.processes[first:first + size]}
+        for ranks in groups:
+            first, last = ranks[0], ranks[-1]
+            nodes = {(self.processes[r].node_ip, self.processes[r].node_id) for r in ranks}
             if len(nodes) > 1:
                 self.shutdown()
-                raise RuntimeError(f"ranks {first}-{first + size - 1} (one tensor-parallel group) run on "
+                raise RuntimeError(f"ranks {first}-{last} (one tensor-parallel group) run on "
                                    f"{len(nodes)} nodes: {sorted(nodes)}")
             (ip, node_id), = nodes
-            lines.append(f"ranks {first}-{first + size - 1}: node {ip} ({node_id})")
+            lines.append(f"ranks {first}-{last}: node {ip} ({node_id})")
         return lines
 
     def submit(self, name: str, actor_method, *args, **kwargs) -> GroupFuture:

@@ -62,27 +62,28 @@ class SFTTrainer:
 
     def __init__(self, config: SFTConfig):
         self.config = config
-        self.rank, self.dp_rank, self.dp_size, self.loading_ranks = self.place_process()
+        self.mesh = self.build_mesh()  # handed to the worker (and its engine): nothing else counts ranks
+        self.rank = distributed.rank()  # 0 on a Ray driver, outside torch.distributed
         if self.rank == 0:
             print(f"hpsft: {self.launch_description()}{self.mesh_description()}", flush=True)
         self.run_dir = Path(config.trainer.output_dir)
         self.check_output_dir()
         distributed.on_rank0_then_share(lambda: check_trackers_available(config))  # rank 0 logs
-        world_size = self.dp_size * config.engine.sequence_parallel_size * config.engine.tensor_parallel_size
+        world_size = self.mesh.world_size
         if config.trainer.profile_steps and max(config.trainer.profile_ranks, default=0) >= world_size:
             raise UserInputError(f"trainer.profile_ranks={list(config.trainer.profile_ranks)} names a rank the run "
                                  f"does not have: its ranks are 0..{world_size - 1}")
         engine_class(config.engine.name)  # an unknown engine stops the run before the data is prepared
         seed_everything(config.trainer.seed)
         data = config.data
-        if data.train_batch_size % self.dp_size:
+        if data.train_batch_size % self.mesh.dp_size:
             raise UserInputError(
                 f"data.train_batch_size={data.train_batch_size} is not divisible by the "
-                f"{self.dp_size} data-parallel ranks"
+                f"{self.mesh.dp_size} data-parallel ranks"
             )
         # Sequences this process loads per step (its data-parallel share under SPMD, the same for
-        # every sequence-parallel rank of a group; all of them on a Ray driver).
-        self.batch_per_rank = data.train_batch_size // self.loading_ranks
+        # every rank of a replica; all of them on a Ray driver).
+        self.batch_per_rank = data.train_batch_size // self.mesh.loading_ranks
 
         self.tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         if data.chat_template is not None:  # also what the exported tokenizer carries
@@ -120,33 +121,32 @@ class SFTTrainer:
             self.load_checkpoint(resume_from)
         self.tracker = Tracker(config, self.run_dir, self.global_step) if self.rank == 0 else None
 
-    def place_process(self) -> tuple[int, int, int, int]:
-        """This process's rank in torch.distributed, its data-parallel rank, the data-parallel
-        size (world / engine.sequence_parallel_size), and how many processes load a share of
-        each global batch (every data-parallel rank here)."""
+    def build_mesh(self) -> distributed.Mesh:
+        """This process's place in the run's layout (after joining torch.distributed): every
+        data-parallel rank loads its share of each global batch."""
         engine = self.config.engine
         distributed.init_distributed(engine.dist_backend, engine.collective_timeout_s)
-        place = distributed.mesh(engine.tensor_parallel_size, engine.sequence_parallel_size)
-        return distributed.rank(), place.dp_rank, place.dp_size, place.dp_size
+        return distributed.mesh(engine)
 
     def launch_description(self) -> str:
         return distributed.launch_description()
 
     def mesh_description(self) -> str:
-        """The layout of the ranks, when there is more than data parallelism: its sizes and,
-        with tensor parallelism, every rank's coordinates (computed: the layout is fixed)."""
-        engine = self.config.engine
-        tp, sp = engine.tensor_parallel_size, engine.sequence_parallel_size
-        if tp > 1:  # the world: this process's, or a Ray driver's workers
-            world = self.dp_size * tp * sp
-            ranks = "; ".join(distributed.Mesh(self.dp_size, tp, sp, r).coordinates() for r in range(world))
-            return f"; mesh DP {self.dp_size} x TP {tp} x SP {sp}; {ranks}"
-        return f"; data-parallel size {self.dp_size} x sequence-parallel size {sp}" if sp > 1 else ""
+        """The layout of the ranks, when there is more than data parallelism: its sizes (PP and EP
+        when > 1) and, with tensor, pipeline or expert parallelism, every rank's coordinates
+        (computed: the layout is fixed)."""
+        mesh = self.mesh  # the world: this process's, or a Ray driver's workers
+        if max(mesh.tp_size, mesh.pp_size, mesh.ep_size) > 1:
+            ranks = "; ".join(mesh.at(r).coordinates() for r in range(mesh.world_size))
+            return f"; mesh {mesh.description()}; {ranks}"
+        if mesh.sp_size > 1:
+            return f"; data-parallel size {mesh.dp_size} x sequence-parallel size {mesh.sp_size}"
+        return ""
 
     def worker_args(self) -> tuple:
         """TrainingWorker's constructor arguments, alike in this process and in a Ray actor."""
         config = self.config
-        return (config.model, config.loss, config.engine, config.optim, config.data, self.total_steps,
+        return (config.model, config.loss, config.engine, config.optim, config.data, self.total_steps, self.mesh,
                 config.trainer.peak_flops_per_device, config.trainer.seed)
 
     def build_worker(self):
@@ -175,8 +175,8 @@ class SFTTrainer:
         the whole batch on the Ray driver (its worker group splits it)."""
         data = self.config.data
         hidden = self.model_hidden_size() if data.balance == "attention" else None
-        return StepBatchSampler(self.train_dataset, data.mixture_weights(), data.train_batch_size, self.dp_rank,
-                                self.loading_ranks, data.shuffle, self.config.trainer.seed, hidden)
+        return StepBatchSampler(self.train_dataset, data.mixture_weights(), data.train_batch_size, self.mesh.data_part,
+                                self.mesh.loading_ranks, data.shuffle, self.config.trainer.seed, hidden)
 
     def model_hidden_size(self) -> int:
         from transformers import AutoConfig
@@ -275,7 +275,7 @@ class SFTTrainer:
         self.last_checkpoint = checkpoint
         if self.rank == 0:
             print(f"resumed from {checkpoint} at step {self.global_step} (written by a {state['mode']} run "
-                  f"with {state['dp_size']} data-parallel ranks, now {self.dp_size})", flush=True)
+                  f"with {state['dp_size']} data-parallel ranks, now {self.mesh.dp_size})", flush=True)
 
     def save_checkpoint(self) -> None:
         step = self.global_step
@@ -286,9 +286,11 @@ class SFTTrainer:
                 "epoch": self.epoch,
                 "samples_in_epoch": self.samples_in_epoch,
                 "mode": self.checkpoint_mode,  # what wrote it (any kind of run may resume it)
-                "dp_size": self.dp_size,
-                "tp_size": self.config.engine.tensor_parallel_size,
-                "sp_size": self.config.engine.sequence_parallel_size,
+                "dp_size": self.mesh.dp_size,
+                "tp_size": self.mesh.tp_size,
+                "sp_size": self.mesh.sp_size,
+                "pp_size": self.mesh.pp_size,
+                "ep_size": self.mesh.ep_size,
                 "skipped_steps": self.skipped_steps.total,
                 "rng": rng_state(),
             })
@@ -306,7 +308,7 @@ class SFTTrainer:
         """val/loss: the token-mean NLL over the whole validation set (every sequence exactly
         once; with sequence parallelism each SP rank adds its slices' share of it); with several
         validation sources also val/loss/<name> over each one's tokens."""
-        indices = list(range(self.dp_rank, len(self.val_dataset), self.loading_ranks))
+        indices = list(range(self.mesh.data_part, len(self.val_dataset), self.mesh.loading_ranks))
         chunks = [indices[i:i + self.batch_per_rank] for i in range(0, len(indices), self.batch_per_rank)]
         n_chunks = distributed.all_reduce_max(len(chunks))
         names = self.val_dataset.names

@@ -1,5 +1,7 @@
 """Process-group set-up for every launcher: none, torchrun, the deepspeed launcher, srun."""
 
+import dataclasses
+import itertools
 import os
 import shutil
 import socket
@@ -115,28 +117,76 @@ def world_size() -> int:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Where a rank sits when the world is DP x TP x SP:
+    """Where the ranks of a run sit in its DP x PP x TP x SP layout (SP is Megatron-Core's CP):
 
-        rank = (dp_rank * SP + sp_rank) * TP + tp_rank
+        rank = ((pp_rank * DP + dp_rank) * SP + sp_rank) * TP + tp_rank
 
-    A TP group is a run of TP consecutive ranks (the ranks of one node first: its collectives run
+    TP varies fastest, then SP, DP, PP: Megatron-Core's default order "tp-cp-ep-dp-pp" (with SP as
+    its CP; EP does not enter the dense layout), so its parallel_state groups and these agree. A
+    TP group is a run of TP consecutive ranks (the ranks of one node first: its collectives run
     at every layer, forward and backward; DeepSpeed's AutoTP lays out its mesh the same way, so
     its data-parallel group, the ranks of one TP coordinate, holds every DP and SP rank). An SP
-    group is the SP ranks of one TP coordinate in a DP x TP x SP block, TP apart (consecutive
-    without TP). The i-th block of TP x SP consecutive ranks is data-parallel rank i: every rank
-    of it gets the same rows."""
+    group is the SP ranks of one TP coordinate, TP apart (consecutive without TP). A pipeline
+    stage is a block of DP x SP x TP consecutive ranks. The ranks of one data-parallel rank (its
+    TP x SP x PP ranks: a replica) get the same rows of each global batch.
+
+    Expert parallelism (EP) spreads an MoE layer's experts over EP of the DP x SP ranks of a
+    pipeline stage (the ranks of one TP coordinate, TP apart), as Megatron-Core carves its
+    expert-model-parallel group with the expert tensor-parallel size equal to TP: it changes
+    where experts live, not the dense layout above.
+
+    `rank` is this process's; None on a driver outside the world (the Ray driver), which loads
+    whole global batches for the ranks."""
+
     dp_size: int
-    tp_size: int
-    sp_size: int
-    rank: int
+    tp_size: int = 1
+    sp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    rank: int | None = 0
+
+    @classmethod
+    def of_world(cls, world_size: int, rank: int | None, tp_size: int = 1, sp_size: int = 1, pp_size: int = 1,
+                 ep_size: int = 1, world: str | None = None) -> "Mesh":
+        """The mesh of `world_size` ranks with these model-parallel sizes (the engine section's),
+        refused by name when they do not fit. `world`: what the ranks are, in the message."""
+        world = world or f"the world size {world_size}"
+        replica = tp_size * sp_size * pp_size
+        if world_size % replica:
+            sizes = [f"engine.{kind}_parallel_size={size}" for kind, size in
+                     (("pipeline", pp_size), ("tensor", tp_size), ("sequence", sp_size)) if size > 1]
+            dims = ["data-parallel size"] + [f"{kind}-parallel size" for kind, size in
+                                             (("pipeline", pp_size), ("tensor", tp_size), ("sequence", sp_size))
+                                             if size > 1 or kind != "pipeline"]
+            raise UserInputError(f"{' x '.join(sizes)} does not divide {world}: the world is {' x '.join(dims)}")
+        mesh = cls(world_size // replica, tp_size, sp_size, pp_size, ep_size, rank)
+        if (mesh.dp_size * sp_size) % ep_size:
+            raise UserInputError(
+                f"engine.expert_parallel_size={ep_size} does not divide the {mesh.dp_size * sp_size} data-parallel x "
+                f"sequence-parallel ranks of each pipeline stage, over which the experts are spread (as in "
+                "Megatron-Core: tensor x expert x pipeline-parallel size divides the world)")
+        return mesh
 
     @property
-    def group_size(self) -> int:
-        return self.tp_size * self.sp_size
+    def world_size(self) -> int:
+        return self.dp_size * self.replica_size
 
     @property
-    def dp_rank(self) -> int:
-        return self.rank // self.group_size
+    def replica_size(self) -> int:
+        """The ranks of one data-parallel rank (TP x SP x PP): they get the same rows. A count every
+        rank takes of its whole share (the loss tokens of its rows) sums to this many times the
+        global count over the world."""
+        return self.tp_size * self.sp_size * self.pp_size
+
+    @property
+    def weight_replicas(self) -> int:
+        """The ranks holding the same weights (of one TP shard and pipeline stage), over which
+        gradients are summed: DP x SP (Megatron-Core's data-parallel group with context parallel)."""
+        return self.dp_size * self.sp_size
+
+    def at(self, rank: int) -> "Mesh":
+        """This mesh, seen from `rank`."""
+        return dataclasses.replace(self, rank=rank)
 
     @property
     def tp_rank(self) -> int:
@@ -146,29 +196,99 @@ class Mesh:
     def sp_rank(self) -> int:
         return self.rank // self.tp_size % self.sp_size
 
-    def sequence_parallel_ranks(self) -> list[list[int]]:
-        """Every SP group's ranks, in the same order on every rank."""
-        return [[(dp * self.sp_size + sp) * self.tp_size + tp for sp in range(self.sp_size)]
-                for dp in range(self.dp_size) for tp in range(self.tp_size)]
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.sp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.sp_size * self.dp_size)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.tp_size % self.ep_size
+
+    @property
+    def reports_counts(self) -> bool:
+        """Whether this rank reports its share of the step's counts and sums (loss tokens, NLL,
+        ...): the ranks of a replica train the same rows, so one of each TP group counts them, on
+        the last pipeline stage, where the loss is. Every SP rank reports: each its own slices'."""
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    @property
+    def loading_ranks(self) -> int:
+        """How many processes each load a part of every global batch: one per data-parallel rank,
+        or the driver alone (rank None), which loads whole batches."""
+        return 1 if self.rank is None else self.dp_size
+
+    @property
+    def data_part(self) -> int:
+        """Which of the loading_ranks parts of each global batch this process loads (its
+        data-parallel rank; the driver: the only part)."""
+        return 0 if self.rank is None else self.dp_rank
+
+    def groups(self, *dims: str) -> list[list[int]]:
+        """The ranks of every group that varies along `dims` (of "tp", "sp", "dp", "pp") and
+        agrees on the others, each in rank order, groups by their first rank: the same on every
+        rank (Megatron-Core's RankGenerator.get_ranks for the same dims, CP for SP)."""
+        sizes = {"tp": self.tp_size, "sp": self.sp_size, "dp": self.dp_size, "pp": self.pp_size}
+        strides = {"tp": 1, "sp": self.tp_size, "dp": self.tp_size * self.sp_size,
+                   "pp": self.tp_size * self.sp_size * self.dp_size}
+        fixed = [dim for dim in sizes if dim not in dims]
+        groups = []
+        for others in itertools.product(*(range(sizes[d]) for d in fixed)):
+            base = sum(index * strides[d] for d, index in zip(fixed, others))
+            groups.append(sorted(base + sum(index * strides[d] for d, index in zip(dims, varying))
+                                 for varying in itertools.product(*(range(sizes[d]) for d in dims))))
+        return sorted(groups)
+
+    def expert_parallel_ranks(self) -> list[list[int]]:
+        """Every expert-parallel group's ranks: EP ranks of one TP coordinate and pipeline stage,
+        TP apart (Megatron-Core's with its expert tensor-parallel size TP), groups by first rank."""
+        stage = self.dp_size * self.sp_size * self.tp_size
+        return sorted([pp * stage + (edp * self.ep_size + ep) * self.tp_size + tp for ep in range(self.ep_size)]
+                      for pp in range(self.pp_size) for edp in range(self.dp_size * self.sp_size // self.ep_size)
+                      for tp in range(self.tp_size))
 
     def coordinates(self) -> str:
-        return f"rank {self.rank}: dp {self.dp_rank}, tp {self.tp_rank}, sp {self.sp_rank}"
+        extra = (f", pp {self.pp_rank}" if self.pp_size > 1 else "") + (f", ep {self.ep_rank}" if self.ep_size > 1
+                                                                       else "")
+        return f"rank {self.rank}: dp {self.dp_rank}, tp {self.tp_rank}, sp {self.sp_rank}{extra}"
+
+    def description(self) -> str:
+        """The sizes, as the start-up line prints them (PP and EP when they are > 1)."""
+        return (f"DP {self.dp_size}" + (f" x PP {self.pp_size}" if self.pp_size > 1 else "")
+                + f" x TP {self.tp_size} x SP {self.sp_size}" + (f" x EP {self.ep_size}" if self.ep_size > 1 else ""))
 
 
-def mesh(tp_size: int = 1, sp_size: int = 1, of_rank: int | None = None) -> Mesh:
-    """The mesh of this world and `of_rank`'s place in it (default: this process's)."""
-    group = tp_size * sp_size
-    if world_size() % group:
-        sizes = [f"engine.{kind}_parallel_size={size}" for kind, size in (("tensor", tp_size), ("sequence", sp_size))
-                 if size > 1]
-        raise UserInputError(f"{' x '.join(sizes)} does not divide the world size {world_size()}: the world is "
-                             "data-parallel size x tensor-parallel size x sequence-parallel size")
-    return Mesh(world_size() // group, tp_size, sp_size, rank() if of_rank is None else of_rank)
+def mesh(engine_config) -> Mesh:
+    """This process's place in the world laid out by the config section `engine` (its
+    *_parallel_size keys), after init_distributed: built once at start-up, handed to everything
+    that counts ranks."""
+    return Mesh.of_world(world_size(), rank(), engine_config.tensor_parallel_size,
+                         engine_config.sequence_parallel_size, engine_config.pipeline_parallel_size,
+                         engine_config.expert_parallel_size)
+
+
+def workers_mesh(ray_config, engine_config) -> Mesh:
+    """The mesh of a Ray worker group (the driver: rank None), checked before Ray starts. Rank r
+    runs on node r // ray.n_workers_per_node (RayResourcePool), so a TP group (consecutive ranks)
+    stays on one node, where its collectives (every layer, forward and backward) are cheapest,
+    only if TP divides n_workers_per_node."""
+    tp, per_node = engine_config.tensor_parallel_size, ray_config.n_workers_per_node
+    if per_node % tp:
+        raise UserInputError(f"engine.tensor_parallel_size={tp} does not divide ray.n_workers_per_node={per_node}: "
+                             "a tensor-parallel group's ranks run on one node; use a TP size that divides the "
+                             "workers per node")
+    workers = ray_config.nnodes * per_node
+    return Mesh.of_world(workers, None, tp, engine_config.sequence_parallel_size, engine_config.pipeline_parallel_size,
+                         engine_config.expert_parallel_size,
+                         world=f"the {workers} Ray workers (ray.nnodes x ray.n_workers_per_node)")
 
 
 def sequence_parallel_group(place: Mesh):
     """This rank's SP process group (a collective: every rank creates every group)."""
-    groups = [(ranks, dist.new_group(ranks)) for ranks in place.sequence_parallel_ranks()]
+    groups = [(ranks, dist.new_group(ranks)) for ranks in place.groups("sp")]
     return next(group for ranks, group in groups if place.rank in ranks)
 
 

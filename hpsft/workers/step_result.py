@@ -3,9 +3,10 @@ rank's. The same rule on both paths: the SPMD trainer all-reduces a rank's resul
 (`all_reduced`), the Ray driver combines its workers' (`combine`).
 
 Each field says how it combines over ranks:
-- SHARE: a count or sum over this rank's share of the global batch: added up. Every TP rank of
-  a group trained the same rows, so only the group's first TP rank counts it (`counted_once`).
-- WORK: this rank's own work (FLOPs, its device's peak): added up, on every TP rank.
+- SHARE: a count or sum over this rank's share of the global batch: added up. Every TP (and PP)
+  rank of a group trained the same rows, so only one of them counts it (`counted_once`, the
+  rank Mesh.reports_counts names).
+- WORK: this rank's own work (FLOPs, its device's peak): added up, on every rank.
 - SHARE_PER_SOURCE: a list with one SHARE value per training source, added up element-wise.
 - LARGEST: the largest rank's (memory).
 - SAME: the same on every rank (the global gradient norm, the learning rate): taken from one.
@@ -46,9 +47,9 @@ class StepResult:
     def names(cls, how: str) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.metadata["over_ranks"] == how]
 
-    def counted_once(self, first_tp_rank: bool) -> "StepResult":
-        """This result where the TP group's first rank counts its share, zero shares elsewhere."""
-        if first_tp_rank:
+    def counted_once(self, reports: bool) -> "StepResult":
+        """This result on the rank that reports its group's share (`reports`), zero shares elsewhere."""
+        if reports:
             return self
         return dataclasses.replace(self, **{name: 0 for name in self.names(SHARE)},
                                    **{name: [0.0] * len(getattr(self, name)) for name in self.names(SHARE_PER_SOURCE)})

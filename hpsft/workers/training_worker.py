@@ -3,12 +3,14 @@
 The same class runs in-process under torchrun/deepspeed/srun and inside a Ray actor. It
 takes this rank's share of a global batch (a jagged TensorDict), splits it into
 micro-batches (as many as every other rank runs), and returns plain Python metrics.
-With sequence parallelism the SP ranks of a group get the same share, plan the same
-packed rows and each trains its own token slice of every row (data/sequence_split.py);
-every count it returns is then its slice's share, so that sums over all ranks stay right.
-With tensor parallelism the TP ranks of a group also get the same share and plan the same rows,
-each running its shards of the layers on the whole rows; the group's counts are then returned
-by its first TP rank only (the others return zeros), for the same sums.
+Where the rank sits, and what it counts, is its Mesh's (hpsft/utils/distributed.py), built once
+at start-up. With sequence parallelism the SP ranks of a group get the same share, plan the same
+packed rows and each trains its own token slice of every row (data/sequence_split.py); every
+count it returns is then its slice's share, so that sums over all ranks stay right. With tensor
+(or pipeline) parallelism the TP (PP) ranks of a group also get the same share and plan the same
+rows, each running its shards (its stage) of the layers on the whole rows; the group's counts are
+then returned by one of its ranks only (Mesh.reports_counts; the others return zeros), for the
+same sums.
 """
 
 import contextlib
@@ -28,6 +30,7 @@ from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verif
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
+from hpsft.models.partitioned import is_partitioned
 from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.models.ulysses_attention import check_heads
@@ -48,43 +51,41 @@ def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
 
 class TrainingWorker:
     def __init__(self, model_config, loss_config, engine_config, optim_config, data_config, total_steps: int,
-                 peak_flops: float | None = None, seed: int = 0):
+                 mesh: distributed.Mesh, peak_flops: float | None = None, seed: int = 0):
         self.model_config = model_config
         self.seed = seed  # of the LoRA adapters' initialisation
         self.loss_config = loss_config
         self.engine_config = engine_config
         self.data_config = data_config
         self.peak_flops_per_device = peak_flops  # measured in init_model when None
-        self.engine: TrainEngine = build_engine(engine_config, optim_config, total_steps)
+        self.mesh = mesh.at(distributed.rank())  # this process's place (a Ray driver's mesh has none)
+        self.engine: TrainEngine = build_engine(engine_config, optim_config, total_steps, self.mesh)
         self.n_sources = len(data_config.train_files)  # per-source losses are summed when more than one
         self.loss_fn: Callable = token_mean_loss
         self.profiler: StepProfiler | None = None  # while trainer.profile_steps are running on this rank
-        self.sp_size = engine_config.sequence_parallel_size
-        self.sp_rank = 0  # set in init_model, once the process group exists
-        self.tp_size = engine_config.tensor_parallel_size
-        self.tp_rank = 0  # set in init_model too
         self.feed: DeviceFeed | None = None  # what the rows are built in: set in init_model, from the engine's device
+        self.lm = None  # the Hugging Face model init_model builds (the engine trains it inside PackedCausalLM)
 
     def init_model(self) -> None:
         cfg = self.model_config
         # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of it.
-        partitioned_config = self.engine.partitioned_init_config()
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
-                            zero3_config=partitioned_config)
+                            model_init=self.engine.model_init)
         check_supported(lm, lm.config._attn_implementation)
         # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
         # those are checked once the engine has moved (and cast) the weights; every other model
         # here, in fp32 before DeepSpeed casts the weights for bf16 (a tighter tolerance).
         # hpsft_varlen on a GPU runs torch's varlen flash kernel only in 16-bit: checked in the engine too.
         attention = lm.config._attn_implementation
-        verify_in_engine = partitioned_config is not None or attention == "flash_attention_2" or (
+        verify_in_engine = is_partitioned(lm) or attention == "flash_attention_2" or (
             attention == ATTN_IMPLEMENTATION and torch.cuda.is_available())
         if torch.cuda.is_available():
             # cuDNN's SDPA builds a graph for every new shape (1.4-1.9 ms of host time a call on
             # an H200, measured): packed rows change shape every step. Flash/efficient instead.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        check_tensor_parallel(lm.config, self.tp_size)  # before DeepSpeed: a refusal costs nothing yet
-        check_heads(lm.config, self.sp_size, self.tp_size)
+        mesh = self.mesh
+        check_tensor_parallel(lm.config, mesh.tp_size)  # before DeepSpeed: a refusal costs nothing yet
+        check_heads(lm.config, mesh.sp_size, mesh.tp_size)
         if not verify_in_engine:
             verify_packed_training(lm)
         if cfg.lora.rank:
@@ -98,18 +99,16 @@ class TrainingWorker:
         self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
         loss = self.loss_config
         packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
-        self.engine.initialize(packed)  # under TP, AutoTP shards the layers here
-        place = distributed.mesh(self.tp_size, self.sp_size)
-        self.tp_rank = place.tp_rank
+        self.engine.initialize(packed, head_weight=packed.head_weight)  # under TP, AutoTP shards the layers here
+        self.lm = lm
         self.feed = device_feed(self.engine.device)
         if verify_in_engine:  # in the engine's dtype, with that dtype's tolerance
             verify_packed_training(lm, gathered=self.engine.gathered)
         if cfg.tiled_mlp_tokens is not None:  # after the checks above, which compare with the untiled model
             tile_mlps(lm, cfg.tiled_mlp_tokens)
-        if self.sp_size > 1:  # after the whole-row checks above, which run without the group
-            self.sp_rank = place.sp_rank
-            packed.enable_sequence_parallel(distributed.sequence_parallel_group(place), self.sp_size, self.sp_rank,
-                                            self.tp_size)
+        if mesh.sp_size > 1:  # after the whole-row checks above, which run without the group
+            packed.enable_sequence_parallel(distributed.sequence_parallel_group(mesh), mesh.sp_size, mesh.sp_rank,
+                                            mesh.tp_size)
         dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
         rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
         self.peak = device_peak(self.peak_flops_per_device, self.engine.device, dtype,
@@ -139,15 +138,15 @@ class TrainingWorker:
         count = distributed.all_reduce_max(min_micro_batches(lengths, mbs, budget))
         bins = plan_micro_batches(lengths, count, mbs, budget)
         rows = [packed_row(select(batch, b)) for b in bins]
-        if self.sp_size > 1:
-            rows = [split_row(row, self.sp_rank, self.sp_size) for row in rows]
+        if self.mesh.sp_size > 1:
+            rows = [split_row(row, self.mesh.sp_rank, self.mesh.sp_size) for row in rows]
         return [pinned(row, self.feed) for row in rows], bins
 
     def global_loss_tokens(self, batch) -> int:
         """The loss-token count of the whole global batch from this rank's share (a collective;
-        the SP/TP ranks of a group hold the same share: counted once)."""
+        the ranks of a replica hold the same share: counted once, Mesh.replica_size)."""
         total = distributed.all_reduce_sum([loss_token_count(batch)])[0]
-        return int(total) // (self.sp_size * self.tp_size)
+        return int(total) // self.mesh.replica_size
 
     def train_batch(self, batch, global_loss_tokens: int) -> StepResult:
         """One optimizer step on this rank's share of the global batch; the loss is normalised
@@ -163,11 +162,12 @@ class TrainingWorker:
                                              sequence_nll=self.n_sources > 1,
                                              loss_weight=self.loss_weight(global_loss_tokens))
         seconds = time.perf_counter() - start
-        # An SP rank does 1/SP of its group's work (attention included: its share of the heads),
-        # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out).
+        # An SP rank does 1/SP of its replica's work (attention included: its share of the heads),
+        # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out), a
+        # PP rank about 1/PP (its stage's layers).
         flops = model_flops(self.body_params, self.head_params, self.n_layers, self.hidden_size, lengths,
-                            loss_token_count(batch)) / (self.sp_size * self.tp_size)
-        outputs = result["outputs"]
+                            loss_token_count(batch)) / self.mesh.replica_size
+        outputs = result.outputs
         nll_sum = sum(float(o["nll"]) for o in outputs)
         loss_tokens = sum(int(o["n_tokens"]) for o in outputs)  # this rank's (with SP: its slices')
         source_nll_sums, source_loss_tokens = (self.source_sums(batch, bins, outputs) if self.n_sources > 1
@@ -179,7 +179,7 @@ class TrainingWorker:
             router_aux_loss_sum=sum(float(o["router_aux_loss"]) * int(o["n_tokens"]) for o in outputs),
             correct_tokens=sum(int(o["correct"]) for o in outputs),
             loss_tokens=loss_tokens,
-            tokens=sum(real_tokens(sum(lengths[i] for i in b), self.sp_rank, self.sp_size) for b in bins),
+            tokens=sum(real_tokens(sum(lengths[i] for i in b), self.mesh.sp_rank, self.mesh.sp_size) for b in bins),
             computed_tokens=sum(r["input_ids"].numel() for r in rows),
             source_nll_sums=source_nll_sums,
             source_loss_tokens=source_loss_tokens,
@@ -188,9 +188,9 @@ class TrainingWorker:
             peak_flops=self.peak.covering(flops / seconds),
             rss_anon_bytes=rss_anon_bytes(),
             micro_batches=len(rows),
-            grad_norm=result["grad_norm"],
-            lr=result["lr"],
-        ).counted_once(first_tp_rank=self.tp_rank == 0)
+            grad_norm=result.grad_norm,
+            lr=result.lr,
+        ).counted_once(reports=self.mesh.reports_counts)
 
     def source_sums(self, batch, bins: list[list[int]], outputs: list[dict]) -> tuple[list[float], list[float]]:
         """NLL sums and loss-token counts per training source of this rank's share."""
@@ -227,7 +227,7 @@ class TrainingWorker:
             if positions:  # an empty bin ran a placeholder row only to keep step with other ranks
                 nll_sums[positions] = out["nll"].cpu().double()
                 loss_tokens[positions] = out["n_tokens"].cpu()
-        if self.tp_rank:  # the group's first TP rank reports the group's sequences
+        if not self.mesh.reports_counts:  # one rank of a TP (PP) group reports the group's sequences
             nll_sums.zero_(), loss_tokens.zero_()
         return {"nll_sum": nll_sums, "loss_tokens": loss_tokens}
 
@@ -244,7 +244,7 @@ class TrainingWorker:
         as the engine hands it one whole tensor at a time (gathered under ZeRO-3), with a
         progress bar if `progress`; a collective, every rank calls it. A LoRA model is written
         merged, and its adapter alone (PEFT's format) goes to <out_dir>/adapter."""
-        lm = self.engine.module.lm
+        lm = self.lm
         lora = self.model_config.lora.rank > 0
         names = weight_names(lm)
         tensors = self.engine.gathered_tensors(names)

@@ -23,8 +23,8 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.utils.distributed import init_distributed
-from hpsft.engine import DeepSpeedEngine
+from hpsft.utils.distributed import init_distributed, mesh
+from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.workers.training_worker import token_mean_loss
 
@@ -36,7 +36,7 @@ def rank_rows(samples: list[dict], micro_batches: int) -> list[dict]:
 
 
 def one_step(config, rows: list[dict], global_loss_tokens: int) -> dict:
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1, mesh=mesh(config.engine))
     engine.initialize(PackedCausalLM(load_causal_lm(config.model.path)))
     grads = {}
     take_step = engine.engine.step
@@ -49,7 +49,7 @@ def one_step(config, rows: list[dict], global_loss_tokens: int) -> dict:
 
     engine.engine.step = read_grads_then_step  # this engine instance only
     result = engine.train_batch(rows, lambda out: token_mean_loss(out, global_loss_tokens))
-    loss_sum = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]), dtype=torch.float64)
+    loss_sum = torch.tensor(sum(float(o["nll"]) for o in result.outputs), dtype=torch.float64)
     dist.all_reduce(loss_sum)
     # DeepSpeed starts the master weights from the bf16 ones; after a step, fp32 masters hold
     # values bf16 cannot (bf16 masters would hold none).

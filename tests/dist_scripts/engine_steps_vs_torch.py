@@ -14,8 +14,8 @@ import torch
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.utils.distributed import init_distributed
-from hpsft.engine import DeepSpeedEngine
+from hpsft.utils.distributed import init_distributed, mesh
+from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.engine.optimizer import lr_lambda, param_groups
 from hpsft.models import PackedCausalLM, load_causal_lm
 
@@ -48,18 +48,19 @@ class EngineAtDeepSpeedStage(DeepSpeedEngine):
 
 def built_engine(model: str, stage: str) -> DeepSpeedEngine:
     if stage.startswith("ds"):
-        engine = EngineAtDeepSpeedStage(int(stage[2:]), EngineConfig(zero_stage=max(1, int(stage[2:]))), OPTIM,
-                                        total_steps=STEPS)
+        engine_config = EngineConfig(zero_stage=max(1, int(stage[2:])))
+        engine = EngineAtDeepSpeedStage(int(stage[2:]), engine_config, OPTIM, total_steps=STEPS,
+                                        mesh=mesh(engine_config))
     else:
-        engine = DeepSpeedEngine(EngineConfig(zero_stage=2 if stage == "default" else int(stage)), OPTIM,
-                                 total_steps=STEPS)
+        engine_config = EngineConfig(zero_stage=2 if stage == "default" else int(stage))
+        engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=STEPS, mesh=mesh(engine_config))
     engine.initialize(PackedCausalLM(load_causal_lm(model)))
     return engine
 
 
 def stepped(engine: DeepSpeedEngine, steps: list) -> dict:
     """The engine's gradient norms over `steps`, its weights after them and the stage it ran."""
-    norms = [engine.train_batch(rows, lambda out: out["loss"] / tokens)["grad_norm"] for rows, tokens in steps]
+    norms = [engine.train_batch(rows, lambda out: out["loss"] / tokens).grad_norm for rows, tokens in steps]
     weights = {name: tensor.clone() for name, tensor in engine.gathered_tensors(
         [name for name, _ in engine.module.named_parameters()])}
     return {"grad_norms": norms, "weights": weights, "deepspeed_stage": engine.engine.zero_optimization_stage()}

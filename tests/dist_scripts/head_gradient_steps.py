@@ -21,9 +21,9 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
-from hpsft.engine import DeepSpeedEngine
+from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
-from hpsft.utils.distributed import init_distributed
+from hpsft.utils.distributed import init_distributed, mesh
 from hpsft.workers.training_worker import token_mean_loss
 
 STEPS = 3
@@ -64,8 +64,10 @@ def poisoned_loss(body_param: torch.Tensor, outputs: dict, global_loss_tokens: i
 
 
 def built(model: str, **engine) -> DeepSpeedEngine:
-    built_engine = DeepSpeedEngine(EngineConfig(**engine), OPTIM, total_steps=STEPS)
-    built_engine.initialize(PackedCausalLM(load_causal_lm(model)))
+    engine_config = EngineConfig(**engine)
+    built_engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=STEPS, mesh=mesh(engine_config))
+    packed = PackedCausalLM(load_causal_lm(model))
+    built_engine.initialize(packed, head_weight=packed.head_weight)  # as TrainingWorker hands it
     return built_engine
 
 
@@ -76,7 +78,7 @@ def masters(packed) -> dict:
 def run(model: str, micro_batches: int, path: str, steps: int) -> list[dict]:
     engine = built(model, zero_stage=1, dtype="bfloat16")
     packed = engine.module
-    assert engine.head_gradient_into() is not None
+    assert engine.head_gradient() is not None
     loss_inputs = []
     token_losses = packed.token_losses
 
@@ -109,7 +111,7 @@ def run(model: str, micro_batches: int, path: str, steps: int) -> list[dict]:
         result = engine.train_batch(rows, loss_fn, loss_weight=1 / tokens if path == "engine" else None)
         every_rank_inputs = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank_inputs, list(loss_inputs))
-        results.append({"grads": dict(grads), "grad_norm": result["grad_norm"], "masters_before": before,
+        results.append({"grads": dict(grads), "grad_norm": result.grad_norm, "masters_before": before,
                         "masters": masters(packed), "tokens": tokens,
                         "loss_inputs": [x for inputs in every_rank_inputs for x in inputs]})
     return results
@@ -123,7 +125,7 @@ def main() -> None:
                for path in ("engine", "autograd")}
     model = models.split(",")[0]
     results["uses_head_gradient"] = {
-        settings: built(model, **dict(settings)).head_gradient_into() is not None
+        settings: built(model, **dict(settings)).head_gradient() is not None
         for settings in ((("zero_stage", 2), ("dtype", "bfloat16")), (("zero_stage", 1), ("dtype", "float32")))}
     if dist.get_rank() == 0:
         torch.save(results, out_pt)

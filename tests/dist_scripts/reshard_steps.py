@@ -24,8 +24,8 @@ from deepspeed.utils import safe_get_full_fp32_param
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import IGNORE_INDEX, shifted_labels
-from hpsft.utils.distributed import init_distributed
-from hpsft.engine import DeepSpeedEngine
+from hpsft.utils.distributed import init_distributed, mesh
+from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.workers.training_worker import token_mean_loss
 
@@ -47,10 +47,9 @@ def master_weights(engine: DeepSpeedEngine) -> dict:
 
 
 def run_segment(model: str, steps: list[list[dict]], segment: dict) -> dict:
-    engine = DeepSpeedEngine(EngineConfig(**segment["engine"]), OPTIM, total_steps=TOTAL_STEPS)
-    zero3 = engine.stage == 3
-    engine.initialize(PackedCausalLM(load_causal_lm(model, zero3_config=engine.deepspeed_config() if zero3
-                                                    else None)))
+    engine_config = EngineConfig(**segment["engine"])
+    engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=TOTAL_STEPS, mesh=mesh(engine_config))
+    engine.initialize(PackedCausalLM(load_causal_lm(model, model_init=engine.model_init)))
     if segment["load"]:
         engine.load_checkpoint(*segment["load"])
     first, last = segment["steps"]
@@ -60,7 +59,7 @@ def run_segment(model: str, steps: list[list[dict]], segment: dict) -> dict:
         rows = steps[step - 1]
         total = sum(loss_tokens(row) for row in rows)
         result = engine.train_batch(rows[rank::world], lambda out: token_mean_loss(out, total))
-        norms[step] = result["grad_norm"]
+        norms[step] = result.grad_norm
         if segment["save"] and segment["save"][2] == step:
             engine.save_checkpoint(*segment["save"][:2])
     return {"grad_norms": norms, "stage": engine.engine.zero_optimization_stage(),

@@ -25,7 +25,7 @@ from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.data.sequence_split import split_row
-from hpsft.engine import DeepSpeedEngine
+from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.models import tiled_mlp
 from hpsft.models.tiled_mlp import tile_mlps
@@ -33,7 +33,7 @@ from hpsft.workers.training_worker import token_mean_loss
 
 
 def rank_rows(samples: list[dict], rows: list[list[int]], sp: int, sp_group) -> list[dict]:
-    place = distributed.mesh(sp_size=sp)
+    place = distributed.Mesh.of_world(distributed.world_size(), distributed.rank(), sp_size=sp)
     packed = [packed_row(collate_jagged([samples[i] for i in row])) for row in rows[place.dp_rank::place.dp_size]]
     return [split_row(row, place.sp_rank, sp) for row in packed] if sp > 1 else packed
 
@@ -43,7 +43,8 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
                                 f"model.gradient_checkpointing={str(layout.get('checkpointing', False)).lower()}",
                                 "optim.lr=1e-2", "optim.warmup_ratio=0", "optim.lr_scheduler=constant"])
     sp = layout["sp"]
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(steps))
+    place = distributed.Mesh.of_world(distributed.world_size(), distributed.rank(), sp_size=sp)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(steps), mesh=place)
     model = PackedCausalLM(load_causal_lm(config.model.path,
                                           gradient_checkpointing=config.model.gradient_checkpointing))
     engine.initialize(model)
@@ -52,7 +53,6 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
         tile_mlps(model.lm, layout["tiled_mlp_tokens"])
         model.lm.get_decoder().register_forward_pre_hook(lambda *_: forwards.append(1))
         tiled_mlp.agreed_tiles = counted(AGREED_TILES, tile_counts)
-    place = distributed.mesh(sp_size=sp)
     sp_group = distributed.sequence_parallel_group(place) if sp > 1 else None
     if sp > 1:
         model.enable_sequence_parallel(sp_group, sp, place.sp_rank)
@@ -70,7 +70,7 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
     for rows in steps:
         total = loss_token_count(collate_jagged([samples[i] for row in rows for i in row]))
         result = engine.train_batch(rank_rows(samples, rows, sp, sp_group), lambda out: token_mean_loss(out, total))
-        nll = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]), dtype=torch.float64)
+        nll = torch.tensor(sum(float(o["nll"]) for o in result.outputs), dtype=torch.float64)
         dist.all_reduce(nll)  # every rank's share: its slices of its rows
         losses.append(float(nll) / total)
     return {"losses": losses, "grads": grads, "forwards": len(forwards), "tile_counts": len(tile_counts)}

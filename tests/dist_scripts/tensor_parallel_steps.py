@@ -26,7 +26,8 @@ from hpsft.utils import distributed
 from hpsft.config import load_config
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
 from hpsft.data.sequence_split import split_row
-from hpsft.engine import DeepSpeedEngine, deepspeed_engine
+from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.engine.deepspeed import engine as deepspeed_engine
 from hpsft.models import PackedCausalLM, load_causal_lm, weight_names
 from hpsft.models.families import UnsupportedModel
 from hpsft.models.tensor_parallel import check_tensor_parallel
@@ -74,13 +75,13 @@ def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
                                 f"engine.tensor_parallel_size={tp}", f"engine.sequence_parallel_size={sp}",
                                 f"engine.dtype={dtype}", f"optim.lr={spec['lr']}", "optim.warmup_ratio=0",
                                 "optim.lr_scheduler=constant"])
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]))
+    place = distributed.mesh(config.engine)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]), mesh=place)
     lm = load_causal_lm(config.model.path)
     check_tensor_parallel(lm.config, tp)
     model = PackedCausalLM(lm)
     engine.initialize(model)
     accumulation_errors = fp32_accumulation_check(engine) if dtype == "bfloat16" else None
-    place = distributed.mesh(tp, sp)
     if sp > 1:  # after the engine's start-up check, which runs on whole rows
         model.enable_sequence_parallel(distributed.sequence_parallel_group(place), sp, place.sp_rank, tp)
     losses, grad_norms = [], []
@@ -90,11 +91,11 @@ def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
         if sp > 1:
             mine = [split_row(row, place.sp_rank, sp) for row in mine]
         result = engine.train_batch(mine, lambda out: token_mean_loss(out, total))
-        nll = torch.tensor(sum(float(o["nll"]) for o in result["outputs"]) if place.tp_rank == 0 else 0.0,
+        nll = torch.tensor(sum(float(o["nll"]) for o in result.outputs) if place.tp_rank == 0 else 0.0,
                            dtype=torch.float64)
         dist.all_reduce(nll)  # each data-parallel rank's rows (each SP rank's slices), counted once per TP group
         losses.append(float(nll) / total)
-        grad_norms.append(result["grad_norm"])
+        grad_norms.append(result.grad_norm)
     weights = dict(engine.gathered_tensors(weight_names(lm)))
     result = {"losses": losses, "grad_norms": grad_norms, "weights": weights}
     if accumulation_errors is not None:
@@ -109,7 +110,7 @@ def refusal_without_partial_sums(spec: dict, run_spec: dict) -> str:
     the refusal's message ("" if the engine started)."""
     config = load_config(None, [f"model.path={run_spec['model']}", f"engine.zero_stage={run_spec['zero_stage']}",
                                 f"engine.tensor_parallel_size={spec['tp']}"])
-    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1)
+    engine = DeepSpeedEngine(config.engine, config.optim, total_steps=1, mesh=distributed.mesh(config.engine))
     summed = deepspeed_engine.sum_partial_gradients_over_tp
     deepspeed_engine.sum_partial_gradients_over_tp = lambda module, group: None
     try:

@@ -66,13 +66,14 @@ def main() -> None:
     sampler = PeakSampler()
     memory = {"framework": sampler.end_phase()["end"]}
     worker = TrainingWorker(config.model, config.loss, config.engine, config.optim, config.data, total_steps=1,
-                            peak_flops=1e12)
+                            mesh=distributed.mesh(config.engine), peak_flops=1e12)
     engine = worker.engine
-    lm = load_causal_lm(config.model.path, zero3_config=engine.deepspeed_config())
+    lm = load_causal_lm(config.model.path, model_init=engine.model_init)
     memory["model_built"] = sampler.end_phase()
     # What this rank holds of the parameters (its partitions; small ones stay whole).
     memory["parameter_mib"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in lm.parameters()) / 2**20
     engine.initialize(PackedCausalLM(lm))
+    worker.lm = lm  # what init_model keeps, and export_hf writes
     memory["engine_built"] = sampler.end_phase()
     worker.export_hf(str(out / "hf"), tokenizer, max_shard_mb=64)
     memory["exported"] = sampler.end_phase()

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import CLIP_GRAD, DS_VERSION, PARAM, PARAM_GROUPS
 
-UNIVERSAL_SUFFIX = ".universal"
-MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module file below ZeRO-3 (ZeRO-3 has one per rank)
+from hpsft.engine.deepspeed.layout import (MODEL_STATES_PER_TP_RANK, MOMENTS, UNIVERSAL_MARKER, UNIVERSAL_OPTIMIZER,
+                                           UNIVERSAL_STATE, UNIVERSAL_SUFFIX, UniversalState, model_states,
+                                           universal_file)
 
-# A DeepSpeed checkpoint load: (root, tag, load_optimizer_states, load_module)
-# (DeepSpeedEngine.load_native_checkpoint).
+# A DeepSpeed checkpoint load: (root, tag, load_optimizer_states, load_module) (checkpoint.load_native).
 NativeLoad = Callable[..., None]
 
 
@@ -34,7 +34,7 @@ def to_universal(checkpoint: Path, out: Path) -> None:
                      num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal(args)
-    (out.parent / "latest_universal").unlink()
+    (out.parent / UNIVERSAL_MARKER).unlink()
 
 
 def to_universal_without_zero(checkpoint: Path, out: Path) -> None:
@@ -44,7 +44,7 @@ def to_universal_without_zero(checkpoint: Path, out: Path) -> None:
     do not have. That load takes only the LR scheduler and step counters from it, the same in
     every TP rank's file: the first one is kept, as the file of a world without TP."""
     to_universal(checkpoint, out)
-    first, *others = sorted(out.glob("mp_rank_*_model_states.pt"))
+    first, *others = sorted(out.glob(MODEL_STATES_PER_TP_RANK))
     if others:
         state = torch.load(first, map_location="cpu", weights_only=False)
         state["mp_world_size"] = 1
@@ -60,7 +60,7 @@ def unsharded_to_universal(checkpoint: Path, out: Path, names: list[str], clip_g
     zero/optimizer_state.pt, and the model file (LR scheduler, step counters) beside them.
     `names`: the trainable parameters in the optimizer's order (param_groups). `clip_grad` is
     the ZeRO run's: DeepSpeed's ZeRO optimizer takes its clipping from the checkpoint."""
-    model_file = checkpoint / MODEL_STATES
+    model_file = checkpoint / model_states(0)
     saved = torch.load(model_file, map_location="cpu", weights_only=False)
     optimizer = saved["optimizer"]
     indices = [index for group in optimizer["param_groups"] for index in group["params"]]
@@ -72,20 +72,19 @@ def unsharded_to_universal(checkpoint: Path, out: Path, names: list[str], clip_g
     for index, name in zip(indices, names):
         weight = saved["module"][name].float()
         state = optimizer["state"].get(index, {})
-        folder = out / "zero" / name
-        folder.mkdir(parents=True)
-        torch.save({PARAM: weight}, folder / "fp32.pt")
-        for key in ("exp_avg", "exp_avg_sq"):
+        universal_file(out, name, "fp32").parent.mkdir(parents=True)
+        torch.save({PARAM: weight}, universal_file(out, name, "fp32"))
+        for key in MOMENTS:
             moment = state.get(key, torch.zeros_like(weight))
             if moment.shape != weight.shape:
                 raise RuntimeError(f"{checkpoint}: {name} has {key} of shape {tuple(moment.shape)}, the weight "
                                    f"{tuple(weight.shape)}: not a checkpoint of this model")
-            torch.save({PARAM: moment.float()}, folder / f"{key}.pt")
+            torch.save({PARAM: moment.float()}, universal_file(out, name, key))
         if steps:
-            torch.save(state.get("step", steps[0]), folder / "step.pt")
+            torch.save(state.get("step", steps[0]), universal_file(out, name, "step"))
     torch.save({CLIP_GRAD: clip_grad, DS_VERSION: deepspeed.__version__, PARAM_GROUPS: optimizer["param_groups"]},
-               out / "zero" / "optimizer_state.pt")
-    shutil.copy2(model_file, out / MODEL_STATES)
+               out / UNIVERSAL_STATE / UNIVERSAL_OPTIMIZER)
+    shutil.copy2(model_file, out / model_states(0))
 
 
 def load_through_universal(root: str, tag: str, why: str, convert: Callable[[Path], None],
@@ -138,21 +137,19 @@ def load_universal_without_zero(ds_engine, load_native: NativeLoad, root: str, t
     read from the model file: every trained weight is in those files (frozen ones are never
     saved), and a TP checkpoint's model file holds one TP rank's slices only."""
     load_native(root, tag, load_optimizer_states=False, load_module=False)
-    zero = Path(root) / tag / "zero"
-    saved_groups = torch.load(zero / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
+    saved = UniversalState(Path(root) / tag)
     names = {param: name for name, param in ds_engine.module.named_parameters()}
     optimizer = ds_engine.optimizer
     state, groups = {}, []
-    for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True):
+    for group, saved_group in zip(optimizer.param_groups, saved.param_groups(), strict=True):
         indices = []
         for param in group["params"]:
-            files = zero / names[param]
+            name = names[param]
             with torch.no_grad():
-                param.copy_(torch.load(files / "fp32.pt", weights_only=True)[PARAM].view_as(param))
+                param.copy_(saved.tensor(name, "fp32").view_as(param))
             indices.append(len(state))
-            state[len(state)] = {"step": torch.load(files / "step.pt", weights_only=True)} | {
-                key: torch.load(files / f"{key}.pt", weights_only=True)[PARAM].view_as(param)
-                for key in ("exp_avg", "exp_avg_sq")}
+            state[len(state)] = {"step": saved.step(name)} | {
+                key: saved.tensor(name, key).view_as(param) for key in MOMENTS}
         # The saved hyperparameters (lr, betas, eps, weight decay), this machine's implementation.
         implementation = {key: group[key] for key in ("foreach", "fused", "capturable") if key in group}
         groups.append(saved_group | implementation | {"params": indices})
