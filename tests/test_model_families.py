@@ -75,11 +75,12 @@ def build_pair(family: str, seed: int = 0):
     return reference.train(), ours.train()  # dropout is 0 in these configs; train() as in training
 
 
-def sequences(seed: int = 0):
+def sequences(seed: int = 0, lengths=LENGTHS, vocab: int = VOCAB):
+    """Random sequences of these lengths, each with a random loss mask after a prompt."""
     g = torch.Generator().manual_seed(seed)
     samples = []
-    for i, n in enumerate(LENGTHS):
-        ids = torch.randint(3, VOCAB, (n,), generator=g)
+    for i, n in enumerate(lengths):
+        ids = torch.randint(3, vocab, (n,), generator=g)
         mask = torch.rand(n, generator=g) < 0.7
         mask[: n // 4] = False  # a prompt
         samples.append({"input_ids": ids, "loss_mask": mask, "index": i})

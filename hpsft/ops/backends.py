@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from hpsft.ops.row_options import RowKernel
+from hpsft.ops.row_options import RowKernel, ShardKernels
 
 BACKENDS = ("auto", "cpp", "triton", "torch")
 
@@ -63,3 +63,18 @@ def select_row_kernel(requested: str, device: torch.device, dtype: torch.dtype) 
         kernel, _ = _load(name, device, dtype)
         if kernel is not None:
             return name, kernel
+
+
+def shard_kernels(name: str) -> ShardKernels:
+    """The vocabulary-parallel passes of the backend select_row_kernel chose (and so could load)."""
+    if name == "cpp":
+        from hpsft.ops.row_kernel_cpp import cpp_shard_grad_, cpp_shard_stats_
+
+        return ShardKernels(cpp_shard_stats_, cpp_shard_grad_)
+    if name == "triton":
+        from hpsft.ops.row_kernel_triton import triton_shard_grad_, triton_shard_stats_
+
+        return ShardKernels(triton_shard_stats_, triton_shard_grad_)
+    from hpsft.ops.row_kernel_torch import torch_shard_grad_, torch_shard_stats_
+
+    return ShardKernels(torch_shard_stats_, torch_shard_grad_)

@@ -14,6 +14,14 @@ dependent size). Its outputs are then allocated on the meta device inside the co
 are on the GPU; the temporaries it frees before the loss starts are not counted (a few
 bytes per token, gone before the large buffers exist).
 
+Under tensor parallelism (tp_size > 1) one rank of the vocabulary-parallel form is replayed: its
+weight is its shard of the vocabulary padded as Megatron pads it (to a multiple of 128 x TP), the
+TP group a process group of torch's "fake" backend (a rank and a size, no data: the op's
+collectives are skipped on meta tensors anyway, as an in-place all-reduce allocates nothing in
+the caching allocator). NCCL's own communication buffers are not the caching allocator's
+(NCCL allocates them itself, NCCL_BUFFSIZE per channel and peer), so max_memory_allocated does not
+see them either, and neither does this count.
+
 Liger-Kernel's fused linear cross-entropy is accounted from its algorithm as its source
 documents it (liger_kernel/ops/fused_linear_cross_entropy.py, the version the GPU run
 measured): zeros_like(input) for d(input) and zeros_like(weight) for d(weight), both in the
@@ -22,16 +30,20 @@ dtype of next_power_of_2(ceil(N / ceil(V / H))) rows that every chunk reuses (it
 writes d(logits) over it in place; its GEMMs write into preallocated outputs).
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from hpsft.ops import varlen_targets
 from hpsft.ops.live_bytes import LiveBytes
 from hpsft.ops.varlen_cross_entropy import linear_cross_entropy_of_targets
+from hpsft.ops.vocab_parallel import vocab_shard
 
 IGNORE_INDEX = -100
 MiB = 2**20
+MEGATRON_VOCAB_MULTIPLE = 128  # make_vocab_size_divisible_by: V is padded to a multiple of it x TP
 
 
 @dataclass(frozen=True)
@@ -74,21 +86,49 @@ def _meta_inputs(tokens, hidden_size, vocab_size, dtype):
     return hidden, weight
 
 
+def shard_rows(vocab_size: int, tp_size: int) -> int:
+    """Weight rows a TP rank holds: the vocabulary padded to a multiple of 128 x TP, split evenly."""
+    multiple = MEGATRON_VOCAB_MULTIPLE * tp_size
+    return -(-vocab_size // multiple) * multiple // tp_size
+
+
+@contextlib.contextmanager
+def fake_tp_group(tp_size: int, tp_rank: int):
+    """A process group of tp_size in which this process is tp_rank, of torch's "fake" backend
+    (torch.testing._internal.distributed.fake_pg: collectives that move nothing), as the default
+    group of this process while the block runs; None for tp_size 1."""
+    if tp_size == 1:
+        yield None
+        return
+    if dist.is_initialized():
+        raise RuntimeError("the byte accounting under tensor parallelism needs a process without a process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=tp_rank, world_size=tp_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 def account_hpsft(tokens, hidden_size, vocab_size, dtype=torch.bfloat16, *, seq_len=512, supervised_fraction=1.0,
-                  weight_grad_in_engine=False, **loss_options) -> Accounted:
+                  weight_grad_in_engine=False, tp_size=1, tp_rank=0, **loss_options) -> Accounted:
     """hpsft's varlen_linear_cross_entropy (reduction sum unless loss_options say otherwise),
     fwd + bwd w.r.t. hidden and weight, as on CUDA. weight_grad_in_engine: d(weight) is summed
     into an fp32 (V, H) gradient the engine holds (allocated before the step, like the
-    inputs), with grad_scale=1 (what a reduction-sum loss's backward sends)."""
+    inputs), with grad_scale=1 (what a reduction-sum loss's backward sends). tp_size > 1: TP
+    rank tp_rank of the vocabulary-parallel form (module docstring), its weight shard_rows rows."""
     input_ids, offsets, loss_mask, _ = packed_supervision(tokens, seq_len, supervised_fraction)
     targets = varlen_targets.from_input_ids(input_ids, loss_mask, offsets, tokens, vocab_size)
-    hidden, weight = _meta_inputs(tokens, hidden_size, vocab_size, dtype)
+    rows = vocab_size if tp_size == 1 else shard_rows(vocab_size, tp_size)
+    hidden, weight = _meta_inputs(tokens, hidden_size, rows, dtype)
     options = {"reduction": "sum", "denominator": None, "label_smoothing": 0.0, "z_loss_weight": 0.0, "softcap": None,
                "return_logprobs": False, "backend": "auto", "chunk_rows": None, "gemm_dtype": None, **loss_options}
     if weight_grad_in_engine:
-        engine_grad = torch.zeros(vocab_size, hidden_size, dtype=torch.float32, device="meta")
+        engine_grad = torch.zeros(rows, hidden_size, dtype=torch.float32, device="meta")
         options |= {"grad_scale": 1.0, "grad_weight_into": engine_grad}
-    with LiveBytes() as count:
+    with fake_tp_group(tp_size, tp_rank) as group, LiveBytes() as count:
+        options["shard"] = vocab_shard(rows, group, vocab_size=vocab_size)
         on_device = varlen_targets.SupervisedPositions(
             *(t.to("meta") for t in (targets.positions, targets.labels, targets.sequence_ids)), targets.num_sequences)
         out = linear_cross_entropy_of_targets(hidden, weight, None, on_device, **options)

@@ -110,35 +110,43 @@ def _gemm(a, b, out, add=None, beta=1):
 
 def chunked_linear_cross_entropy(
     hidden, positions, weight, bias, labels, row_scale, options: RowOptions, row_kernel: RowKernel, chunk_rows, need_grads,
-    gemm_dtype, grad_weight_into=None,
+    gemm_dtype, grad_weight_into=None, vocab_rows=None, want_hits=False,
 ):
-    """Per-row (loss, zloss, logprob) of the rows `positions` of hidden, and the row_scale-weighted
-    gradients (None where not needed): d(hidden) (T, H) in hidden's dtype, d(weight) in the
-    weight's dtype (None when summed into grad_weight_into, an fp32 (V, H) tensor), d(bias) in
-    the bias's. gemm_dtype is either the compute dtype or the inputs' 16-bit dtype (module
-    docstring)."""
+    """Per-row (loss, zloss, logprob, hits) of the rows `positions` of hidden, and the
+    row_scale-weighted gradients (None where not needed): d(hidden) (T, H) in hidden's dtype,
+    d(weight) in the weight's dtype (None when summed into grad_weight_into, an fp32 (V, H)
+    tensor), d(bias) in the bias's. gemm_dtype is either the compute dtype or the inputs'
+    16-bit dtype (module docstring). vocab_rows: the weight's first vocab_rows rows are real,
+    the rest padding, never multiplied, their gradients 0 (None: every row). want_hits: the
+    row kernel sets hits_out (argmax == label), else hits is None."""
     need_x, need_w, need_b = need_grads
     need_any = any(need_grads)
     dtype = compute_dtype_for(hidden.dtype)
     low_precision = gemm_dtype != dtype
-    w = weight.to(gemm_dtype)  # no copy when the weight already has the GEMM dtype
-    b = bias.to(dtype) if bias is not None else None
-    n_rows, (total_tokens, hidden_size), vocab_size = positions.numel(), hidden.shape, w.shape[0]
+    padded_rows = weight.shape[0]
+    vocab_size = padded_rows if vocab_rows is None else vocab_rows
+    w = weight[:vocab_size].to(gemm_dtype)  # no copy when the weight already has the GEMM dtype
+    b = bias[:vocab_size].to(dtype) if bias is not None else None
+    n_rows, (total_tokens, hidden_size) = positions.numel(), hidden.shape
     device = hidden.device
     into_engine = need_w and grad_weight_into is not None
     if not chunk_rows:
         chunk_rows = default_chunk_rows(total_tokens, n_rows, hidden_size, vocab_size, hidden.dtype, device, into_engine)
     outputs = [torch.empty(n_rows, dtype=dtype, device=device) for _ in range(3)]
+    hits = torch.empty(n_rows, dtype=torch.bool, device=device) if want_hits else None
     grad_x = torch.zeros_like(hidden) if need_x else None
     # d(weight): the 16-bit design sums it in the weight's dtype (the gradient handed back),
     # the fp32 design in fp32, rounded once at the end. The first chunk's GEMM overwrites it
     # (beta=0), saving a memset of (V, H); with no rows at all there is no GEMM and it is zero.
     weight_grad_dtype = weight.dtype if low_precision else dtype
     allocate_w = torch.empty if n_rows else torch.zeros
-    grad_w = None
+    grad_w = grad_w_real = None
     if need_w:
-        grad_w = grad_weight_into if into_engine else allocate_w(vocab_size, hidden_size, dtype=weight_grad_dtype, device=device)
-    grad_b = torch.zeros(vocab_size, dtype=dtype, device=device) if need_b else None
+        grad_w = grad_weight_into if into_engine else allocate_w(padded_rows, hidden_size, dtype=weight_grad_dtype, device=device)
+        grad_w_real = grad_w[:vocab_size]
+        if vocab_size < padded_rows and not into_engine:
+            grad_w[vocab_size:].zero_()  # padding rows: no logit, no gradient
+    grad_b = torch.zeros(padded_rows, dtype=dtype, device=device) if need_b else None
     block_rows = min(chunk_rows, n_rows)
     block_buffer = torch.empty(block_rows, vocab_size, dtype=dtype, device=device)
     # The chunk's hidden rows, gathered (one buffer for every chunk: a new tensor per chunk
@@ -154,7 +162,8 @@ def chunked_linear_cross_entropy(
         _gemm(xs, w.t(), block, add=b)
         # The 16-bit design's d(logits): the first half of each fp32 row's own storage.
         grad_out = block.view(gemm_dtype)[:, :vocab_size] if low_precision and need_any else None
-        losses = row_kernel(block, labels[start:stop], row_scale[start:stop], options, need_any, grad_out)
+        hits_out = {"hits_out": hits[start:stop]} if hits is not None else {}
+        losses = row_kernel(block, labels[start:stop], row_scale[start:stop], options, need_any, grad_out, **hits_out)
         for out, value in zip(outputs, losses):
             out[start:stop] = value
         if not need_any:
@@ -163,16 +172,16 @@ def chunked_linear_cross_entropy(
         if need_x:
             grad_x.index_copy_(0, rows, _gemm(grad_block, w, grad_x_rows[: stop - start]).to(hidden.dtype))
         if need_w:
-            _gemm(grad_block.t(), xs, grad_w, add=grad_w, beta=0 if start == 0 and not into_engine else 1)
+            _gemm(grad_block.t(), xs, grad_w_real, add=grad_w_real, beta=0 if start == 0 and not into_engine else 1)
         if need_b:
-            grad_b += grad_block.sum(dim=0, dtype=dtype)
+            grad_b[:vocab_size] += grad_block.sum(dim=0, dtype=dtype)
     if into_engine:
         grad_w = None
     elif grad_w is not None:
         grad_w = grad_w.to(weight.dtype)  # the fp32 design with 16-bit weights: its one rounding
     if grad_b is not None:
         grad_b = grad_b.to(bias.dtype)
-    return (*outputs, grad_x, grad_w, grad_b)
+    return (*outputs, hits, grad_x, grad_w, grad_b)
 
 
 def check_upstream_gradient(grad_loss: torch.Tensor, grad_scale: float) -> None:
@@ -184,29 +193,33 @@ def check_upstream_gradient(grad_loss: torch.Tensor, grad_scale: float) -> None:
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(hidden, weight, bias) -> (loss, zloss rows, logprob rows) over the rows `positions` of hidden.
+    """(hidden, weight, bias) -> (loss, zloss rows, logprob rows, hit rows or None) over the rows
+    `positions` of hidden.
 
     loss is sum_i row_scale_i * loss_i when reduce, else the per-row losses. grad_scale: None,
     or the upstream gradient backward will receive (reduce only).
     grad_weight_into: None, or an fp32 (V, H) tensor d(weight) is added into (then no
     gradient is returned for weight). grad_enabled: torch.is_grad_enabled() at the call;
     inside forward it is always False, and ctx.needs_input_grad says True under
-    torch.no_grad() for inputs that require grad.
+    torch.no_grad() for inputs that require grad. vocab_rows, want_hits: as in
+    chunked_linear_cross_entropy (row_kernel may be the vocabulary-parallel one, which runs
+    collectives: then every rank of its group calls forward and backward alike).
     """
 
     @staticmethod
     def forward(
         ctx, hidden, positions, weight, bias, labels, row_scale, options, row_kernel, reduce, chunk_rows, gemm_dtype,
-        grad_scale, grad_weight_into, grad_enabled,
+        grad_scale, grad_weight_into, grad_enabled, vocab_rows=None, want_hits=False,
     ):
         ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.gemm_dtype = options, row_kernel, chunk_rows, gemm_dtype
+        ctx.vocab_rows = vocab_rows
         ctx.grad_scale = grad_scale
         ctx.needs_grad = tuple(grad_enabled and needed for needed in (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]))
         # With grad_scale the gradients are made for grad_scale x loss: it scales every row's d(logits).
         gradient_row_scale = row_scale if grad_scale is None else row_scale * grad_scale
-        loss, zloss, logprob, *grads = chunked_linear_cross_entropy(
+        loss, zloss, logprob, hits, *grads = chunked_linear_cross_entropy(
             hidden, positions, weight, bias, labels, gradient_row_scale, options, row_kernel, chunk_rows,
-            ctx.needs_grad if reduce else (False,) * 3, gemm_dtype, grad_weight_into,
+            ctx.needs_grad if reduce else (False,) * 3, gemm_dtype, grad_weight_into, vocab_rows, want_hits,
         )
         # Finished gradients for the first backward; not saved tensors, so that backward can
         # scale them in place and hand them over (a copy of d(weight) would double the peak
@@ -215,12 +228,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # hidden, not its gathered rows: an input costs nothing to keep; only reduction "none"
         # (and a second backward) reads it again.
         ctx.save_for_backward(hidden, positions, weight, bias, labels, row_scale)
-        ctx.mark_non_differentiable(zloss, logprob)
-        return ((loss * row_scale).sum() if reduce else loss), zloss, logprob
+        ctx.mark_non_differentiable(zloss, logprob, *([hits] if hits is not None else []))
+        return ((loss * row_scale).sum() if reduce else loss), zloss, logprob, hits
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_zloss, _grad_logprob):
+    def backward(ctx, grad_loss, _grad_zloss, _grad_logprob, _grad_hits):
         hidden, positions, weight, bias, labels, row_scale = ctx.saved_tensors
         if ctx.precomputed_grads is not None:
             grads, ctx.precomputed_grads = ctx.precomputed_grads, None
@@ -234,7 +247,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             scale = row_scale * grad_loss.to(row_scale.dtype)
             grads = chunked_linear_cross_entropy(
                 hidden, positions, weight, bias, labels, scale, ctx.options, ctx.row_kernel, ctx.chunk_rows, ctx.needs_grad,
-                ctx.gemm_dtype,
-            )[3:]
+                ctx.gemm_dtype, vocab_rows=ctx.vocab_rows,
+            )[4:]
         grad_hidden, grad_weight, grad_bias = grads
-        return grad_hidden, None, grad_weight, grad_bias, *(None,) * 10
+        return grad_hidden, None, grad_weight, grad_bias, *(None,) * 12

@@ -25,6 +25,17 @@ def cpp_rows_forward_(block, labels, row_scale, options: RowOptions, compute_gra
     return losses
 
 
+def cpp_shard_stats_(block, local_labels, options: RowOptions):
+    """Pass 1 of the vocabulary-parallel form (contract in row_options)."""
+    return tuple(_extension()[0].shard_stats_(block, local_labels, options.softcap))
+
+
+def cpp_shard_grad_(block, local_labels, lse, p_factor, uniform, target_coef, options: RowOptions, grad_out=None):
+    """Pass 2 of the vocabulary-parallel form (contract in row_options)."""
+    _extension()[0].shard_grad_(block, local_labels, lse, p_factor, uniform, target_coef, options.softcap)
+    round_into(block, grad_out)
+
+
 def load_cpp_row_kernel():
     module, reason = _extension()
     return (cpp_rows_forward_, "") if module is not None else (None, reason)

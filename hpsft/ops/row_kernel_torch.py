@@ -34,3 +34,31 @@ def torch_rows_forward_(block, labels, row_scale, options: RowOptions, compute_g
         block.mul_(row_scale[:, None])
         round_into(block, grad_out)
     return loss, zloss, logprob
+
+
+def torch_shard_stats_(block, local_labels, options: RowOptions):
+    """Pass 1 of the vocabulary-parallel form (contract in row_options)."""
+    cap = options.softcap
+    if cap > 0:
+        block.div_(cap).tanh_().mul_(cap)
+    row_max = block.amax(dim=1)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)[:, None]  # an all -inf row: exp(-inf) = 0, not NaN
+    finite = block > float("-inf")
+    sum_exp = (block - shift).exp_().sum(dim=1)
+    owned = local_labels >= 0
+    target = torch.where(owned, block.gather(1, local_labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    shifted_sum = torch.where(finite, block - shift, 0.0).sum(dim=1)
+    return row_max, sum_exp, target, shifted_sum, finite.sum(dim=1).to(block.dtype)
+
+
+def torch_shard_grad_(block, local_labels, lse, p_factor, uniform, target_coef, options: RowOptions, grad_out=None):
+    """Pass 2 of the vocabulary-parallel form (contract in row_options)."""
+    cap = options.softcap
+    cap_slope = 1 - (block / cap).square() if cap > 0 else None
+    finite = block > float("-inf")
+    block.sub_(lse[:, None]).exp_().mul_(p_factor[:, None]).sub_(finite * uniform[:, None])
+    owned = torch.nonzero(local_labels >= 0, as_tuple=True)[0]
+    block[owned, local_labels[owned]] -= target_coef[owned]
+    if cap_slope is not None:
+        block.mul_(cap_slope)
+    round_into(block, grad_out)

@@ -32,18 +32,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(
-    logits_ptr, row_stride, grad_ptr, grad_row_stride, labels_ptr, scale_ptr, loss_ptr, zloss_ptr, logprob_ptr,
-    vocab, softcap, label_smoothing, z_loss_weight,
-    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, GRAD_OVER_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
-    grad_row_ptr = grad_ptr + row * grad_row_stride
-    label = tl.load(labels_ptr + row)
+def _row_statistics(row_ptr, label, vocab, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The first sweep over a row: z' stored over the logits when soft-capping (the gradient
+    sweep needs it), an online log-sum-exp (max, sum of exp(z' - max)), the finite logits' sum
+    and count (label smoothing skips -inf, masked, entries) and the target logit z'_label (0
+    when label is no column of the row)."""
     running_max = float("-inf")
     running_sum = 0.0
-    logit_sum = 0.0  # of the finite logits: label smoothing skips -inf (masked) entries
+    logit_sum = 0.0
     finite_count = 0.0
     target = 0.0
     for start in range(0, vocab, BLOCK_V):
@@ -52,7 +48,7 @@ def _cross_entropy_rows_kernel(
         z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             z = softcap * _tanh(z / softcap)
-            tl.store(row_ptr + cols, z, mask=in_vocab)  # the gradient sweep needs z'
+            tl.store(row_ptr + cols, z, mask=in_vocab)
         # The target logit is picked up here, in registers: reading it back from row_ptr after
         # the soft-capping stores would race with the thread of this program that wrote it.
         target += tl.sum(tl.where(cols == label, z, 0.0), axis=0)
@@ -66,6 +62,39 @@ def _cross_entropy_rows_kernel(
         finite = in_vocab & (z > float("-inf"))
         logit_sum += tl.sum(tl.where(finite, z, 0.0), axis=0)
         finite_count += tl.sum(tl.where(finite, 1.0, 0.0), axis=0)
+    return running_max, running_sum, logit_sum, finite_count, target
+
+
+@triton.jit
+def _write_gradient(row_ptr, grad_row_ptr, label, vocab, lse, p_factor, uniform, target_coef, softcap,
+                    HAS_SOFTCAP: tl.constexpr, GRAD_OVER_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The gradient sweep over a row of z': (exp(z' - lse) p_factor - uniform on finite logits
+    - target_coef at the label) dz'/dz, written to grad_row_ptr in its dtype."""
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_vocab = cols < vocab
+        z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+        if GRAD_OVER_LOGITS:
+            tl.debug_barrier()  # the whole tile is read before any 16-bit write overlaps it
+        grad = tl.exp(z - lse) * p_factor - tl.where(z > float("-inf"), uniform, 0.0)
+        grad -= tl.where(cols == label, target_coef, 0.0)
+        if HAS_SOFTCAP:
+            grad = grad * (1.0 - (z / softcap) * (z / softcap))
+        tl.store(grad_row_ptr + cols, grad.to(grad_row_ptr.dtype.element_ty), mask=in_vocab)
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(
+    logits_ptr, row_stride, grad_ptr, grad_row_stride, labels_ptr, scale_ptr, loss_ptr, zloss_ptr, logprob_ptr,
+    vocab, softcap, label_smoothing, z_loss_weight,
+    HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, GRAD_OVER_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
+    label = tl.load(labels_ptr + row)
+    running_max, running_sum, logit_sum, finite_count, target = _row_statistics(
+        row_ptr, label, vocab, softcap, HAS_SOFTCAP, BLOCK_V)
     lse = running_max + tl.log(running_sum)
     zloss = z_loss_weight * lse * lse
     # Differences against lse: a large common logit offset cancels before it can round. The
@@ -81,28 +110,29 @@ def _cross_entropy_rows_kernel(
         scale = tl.load(scale_ptr + row)
         p_factor = (1.0 + 2.0 * z_loss_weight * lse) * scale
         uniform = label_smoothing / finite_count * scale  # on finite logits only
-        for start in range(0, vocab, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            in_vocab = cols < vocab
-            z = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
-            if GRAD_OVER_LOGITS:
-                tl.debug_barrier()  # the whole tile is read before any 16-bit write overlaps it
-            grad = tl.exp(z - lse) * p_factor - tl.where(z > float("-inf"), uniform, 0.0)
-            grad -= tl.where(cols == label, (1.0 - label_smoothing) * scale, 0.0)
-            if HAS_SOFTCAP:
-                grad = grad * (1.0 - (z / softcap) * (z / softcap))
-            tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+        _write_gradient(row_ptr, grad_row_ptr, label, vocab, lse, p_factor, uniform, (1.0 - label_smoothing) * scale,
+                        softcap, HAS_SOFTCAP, GRAD_OVER_LOGITS, BLOCK_V)
 
 
-def triton_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool, grad_out=None):
+def _check_block(block, grad_out=None):
     if block.dtype != torch.float32 or block.stride(1) != 1:
         raise ValueError(f"the Triton row kernel takes fp32 blocks with contiguous rows, got {block.dtype}")
     grad = block if grad_out is None else grad_out
     if grad.shape != block.shape or grad.stride(1) != 1:
         raise ValueError(f"grad_out must be {tuple(block.shape)} with contiguous rows, got {tuple(grad.shape)}")
+    return grad
+
+
+def _launches(block) -> bool:
+    # Meta tensors hold no data (the byte accounting): the launch has nothing to do.
+    return block.shape[0] > 0 and block.device.type != "meta"
+
+
+def triton_rows_forward_(block, labels, row_scale, options: RowOptions, compute_grad: bool, grad_out=None):
+    grad = _check_block(block, grad_out)
     rows, vocab = block.shape
     loss, zloss, logprob = (torch.empty(rows, dtype=block.dtype, device=block.device) for _ in range(3))
-    if rows and block.device.type != "meta":  # meta tensors hold no data: the launch has nothing to do
+    if _launches(block):
         _cross_entropy_rows_kernel[(rows,)](
             block, block.stride(0), grad, grad.stride(0), labels.contiguous(), row_scale.contiguous(), loss, zloss,
             logprob, vocab, options.softcap or 1.0, options.label_smoothing, options.z_loss_weight,
@@ -111,6 +141,68 @@ def triton_rows_forward_(block, labels, row_scale, options: RowOptions, compute_
             BLOCK_V=BLOCK_V,
         )
     return loss, zloss, logprob
+
+
+@triton.jit
+def _shard_stats_kernel(
+    logits_ptr, row_stride, labels_ptr, max_ptr, sum_ptr, target_ptr, shifted_ptr, count_ptr, vocab, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Pass 1 of the vocabulary-parallel form on a rank's block (contract: row_options): the
+    first sweep of the kernel above, returning the row's statistics instead of its loss."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    label = tl.load(labels_ptr + row)  # -1: the target is another rank's
+    running_max, running_sum, logit_sum, finite_count, target = _row_statistics(
+        row_ptr, label, vocab, softcap, HAS_SOFTCAP, BLOCK_V)
+    tl.store(max_ptr + row, running_max)
+    tl.store(sum_ptr + row, running_sum)
+    tl.store(target_ptr + row, target)
+    tl.store(shifted_ptr + row, tl.where(finite_count > 0.0, logit_sum - running_max * finite_count, 0.0))
+    tl.store(count_ptr + row, finite_count)
+
+
+@triton.jit
+def _shard_grad_kernel(
+    logits_ptr, row_stride, grad_ptr, grad_row_stride, labels_ptr, lse_ptr, p_ptr, uniform_ptr, target_coef_ptr,
+    vocab, softcap, HAS_SOFTCAP: tl.constexpr, GRAD_OVER_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Pass 2: the gradient sweep of the kernel above with the row's global statistics given."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
+    label = tl.load(labels_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    p_factor = tl.load(p_ptr + row)
+    uniform = tl.load(uniform_ptr + row)
+    target_coef = tl.load(target_coef_ptr + row)
+    _write_gradient(row_ptr, grad_row_ptr, label, vocab, lse, p_factor, uniform, target_coef, softcap, HAS_SOFTCAP,
+                    GRAD_OVER_LOGITS, BLOCK_V)
+
+
+def triton_shard_stats_(block, local_labels, options: RowOptions):
+    """Pass 1 of the vocabulary-parallel form (contract in row_options)."""
+    _check_block(block)
+    rows, vocab = block.shape
+    stats = tuple(torch.empty(rows, dtype=block.dtype, device=block.device) for _ in range(5))
+    if _launches(block):
+        _shard_stats_kernel[(rows,)](
+            block, block.stride(0), local_labels.contiguous(), *stats, vocab, options.softcap or 1.0,
+            HAS_SOFTCAP=options.softcap > 0, BLOCK_V=BLOCK_V,
+        )
+    return stats
+
+
+def triton_shard_grad_(block, local_labels, lse, p_factor, uniform, target_coef, options: RowOptions, grad_out=None):
+    """Pass 2 of the vocabulary-parallel form (contract in row_options)."""
+    grad = _check_block(block, grad_out)
+    if _launches(block):
+        _shard_grad_kernel[(block.shape[0],)](
+            block, block.stride(0), grad, grad.stride(0), local_labels.contiguous(), lse.contiguous(),
+            p_factor.contiguous(), uniform.contiguous(), target_coef.contiguous(), block.shape[1],
+            options.softcap or 1.0, HAS_SOFTCAP=options.softcap > 0, GRAD_OVER_LOGITS=grad_out is not None,
+            BLOCK_V=BLOCK_V,
+        )
 
 
 def load_triton_row_kernel():

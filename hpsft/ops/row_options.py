@@ -14,6 +14,18 @@ With grad_out (a 16-bit (R, V) tensor; the host driver passes the first half of 
 own fp32 storage, block.view(bf16)[:, :V]) the gradient is written there instead, rounded
 once to its dtype, and the block's fp32 values are not needed afterwards. Kernels that only
 write fp32 do so over the block and then round it into grad_out (round_into).
+
+The vocabulary-parallel form (vocab_parallel.py) splits that work in two passes around the
+all-reduces, on a rank's block (R, Vs) of its own vocabulary columns; `local_labels` (R,)
+int64 is the target's column in this block, or -1 where the target is another rank's:
+    shard_stats_(block, local_labels, options) -> (m, s, t, c, n), each (R,):
+        z' written over the block (soft-cap), m = max_j z'_j (-inf for an empty or all -inf
+        row), s = sum_j exp(z'_j - m) (0 then), t = z'_y where the target is local (else 0),
+        c = sum over finite z'_j of (z'_j - m) (0 when there is none), n = their count
+    shard_grad_(block, local_labels, lse, p_factor, uniform, target_coef, options, grad_out=None):
+        over the z' block (or into grad_out, as above), per row with the global lse:
+        d_ij = (exp(z'_ij - lse_i) p_factor_i - uniform_i [z'_ij finite] - target_coef_i [j == y]) dz'/dz
+    (the host makes p_factor = s_i (1 + 2 lam lse), uniform = s_i eps / n_global, target_coef = s_i (1 - eps)).
 """
 
 from dataclasses import dataclass
@@ -39,6 +51,13 @@ class RowOptions:
 
 # (block, labels, row_scale, options, compute_grad, grad_out=None) -> (loss, zloss, logprob)
 RowKernel = Callable[..., tuple]
+
+
+@dataclass(frozen=True)
+class ShardKernels:
+    """One backend's two passes of the vocabulary-parallel form (contract above)."""
+    stats_: Callable[..., tuple]
+    grad_: Callable[..., None]
 
 
 def round_into(block: torch.Tensor, grad_out: torch.Tensor | None) -> None:

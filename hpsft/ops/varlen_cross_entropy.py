@@ -11,6 +11,11 @@ Reductions: "none" (per-row losses, 0 on rows without a label), "sum", "mean" (s
 `denominator`, default the local token count: pass the global count for exact normalisation
 over micro-batches and ranks) and "seq_mean" (mean over sequences of each sequence's mean
 token loss; `denominator` defaults to the number of sequences with a supervised token).
+
+Under tensor parallelism (tp_group of size > 1) the weight is this rank's vocabulary shard
+(vocab_parallel.py): every output is the whole vocabulary's and equal on every rank, d(weight)
+and d(bias) are the shard's, and d(hidden) is this rank's partial sum, which the caller's
+region must sum over the group (vocab_parallel.sum_grad_over_tp).
 """
 
 from dataclasses import dataclass
@@ -18,10 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from hpsft.ops import varlen_targets
-from hpsft.ops.backends import select_row_kernel
-from hpsft.ops.fused_linear_ce import LinearCrossEntropyFunction, compute_dtype_for, gemm_dtype_for, gemm_dtypes_for
+from hpsft.ops.backends import select_row_kernel, shard_kernels
+from hpsft.ops.fused_linear_ce import (LinearCrossEntropyFunction, compute_dtype_for, default_chunk_rows, gemm_dtype_for,
+                                       gemm_dtypes_for)
 from hpsft.ops.logits_ce import CrossEntropyRowsFunction
 from hpsft.ops.row_options import RowOptions
+from hpsft.ops.vocab_parallel import VocabParallelRows, VocabShard, vocab_shard, with_argmax_hits
 
 REDUCTIONS = ("none", "sum", "mean", "seq_mean")
 
@@ -33,6 +40,8 @@ class VarlenCEOutput:
     z_loss: torch.Tensor  # the z-loss part of `loss`, same reduction, detached (for logging)
     logprobs: torch.Tensor | None  # (T,) log p(target) per row (0 without a label), detached; when asked
     backend: str  # which kernel ran: "cpp", "triton" or "torch"
+    # (T,) bool: the row's argmax over the (whole) vocabulary is its label (False without one); when asked
+    correct: torch.Tensor | None = None
 
 
 def _values_and_offsets(rows, offsets, name):
@@ -91,7 +100,7 @@ def _gemm_dtype(requested, hidden, weight):
     return requested
 
 
-def _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend):
+def _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend, hits=None):
     def per_row(values):
         # index_copy (positions are unique): index_add is very slow on CPU in torch 2.13.
         return values.new_zeros(total_tokens).index_copy(0, targets.positions, values)
@@ -102,7 +111,7 @@ def _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, r
         z_loss = (zloss * row_scale).sum()
     n_tokens = torch.tensor(targets.labels.numel(), dtype=torch.int64, device=loss.device)
     logprobs = per_row(logprob) if return_logprobs else None
-    return VarlenCEOutput(loss, n_tokens, z_loss.detach(), logprobs, backend)
+    return VarlenCEOutput(loss, n_tokens, z_loss.detach(), logprobs, backend, per_row(hits) if hits is not None else None)
 
 
 def _options(label_smoothing, z_loss_weight, softcap):
@@ -130,6 +139,10 @@ def varlen_linear_cross_entropy(
     gemm_dtype=None,
     grad_scale=None,
     grad_weight_into=None,
+    return_correct=False,
+    tp_group=None,
+    vocab_start=None,
+    vocab_size=None,
 ) -> VarlenCEOutput:
     """Cross-entropy of softcap(hidden @ weight.T + bias) without materialising the logits.
 
@@ -145,15 +158,34 @@ def varlen_linear_cross_entropy(
     waiting for the device) if the upstream gradient is another. grad_weight_into (needs
     grad_scale): an fp32 (V, H) tensor, e.g. the engine's fp32 gradient of the weight, into
     which d(weight) is added instead of being returned (no (V, H) buffer of the op's own).
+    return_correct: also out.correct, per row whether the argmax of the raw logits (before the
+    soft-cap, which keeps the order; ties: the first index) is the label.
+
+    Vocabulary parallelism (vocab_parallel.py): with tp_group (a process group of size > 1),
+    weight (and bias) are this rank's rows [vocab_start, vocab_start + weight.shape[0]) of the
+    LM head (vocab_start default: rank x weight.shape[0]), hidden and the labels the same on
+    every rank of the group, every rank calling with the same options. Rows at or past
+    vocab_size (the real vocabulary, default: all rows of all ranks; Megatron pads V to a
+    multiple of TP x 128) are padding: never used, gradient 0. Loss, z-loss, log-probs and
+    correct are the whole vocabulary's, equal on every rank; d(weight), d(bias) and
+    grad_weight_into are this shard's. THE CALLER SUMS d(hidden): the op returns this rank's
+    partial d(hidden) (its vocabulary rows' share), so hidden must come through a region whose
+    backward sums the gradient over tp_group: vocab_parallel.sum_grad_over_tp(hidden, tp_group)
+    (Megatron: copy_to_tensor_model_parallel_region; under Megatron's sequence parallelism
+    gather_from_sequence_parallel_region, whose backward reduce-scatters it). Two all-reduces
+    per chunk of rows. tp_group None or of size 1: the one-rank op, vocab_size marking padding
+    rows there too.
     """
     hidden, offsets = _values_and_offsets(hidden, offsets, "hidden")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be (T, H) and weight (V, H) with the same H, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    targets = _supervised_positions(hidden.shape[0], weight.shape[0], input_ids, loss_mask, labels, ignore_index, offsets)
+    shard = vocab_shard(weight.shape[0], tp_group, vocab_start, vocab_size)
+    targets = _supervised_positions(hidden.shape[0], shard.vocab_size, input_ids, loss_mask, labels, ignore_index, offsets)
     return linear_cross_entropy_of_targets(
         hidden, weight, bias, targets, reduction=reduction, denominator=denominator, label_smoothing=label_smoothing,
         z_loss_weight=z_loss_weight, softcap=softcap, return_logprobs=return_logprobs, backend=backend,
         chunk_rows=chunk_rows, gemm_dtype=gemm_dtype, grad_scale=grad_scale, grad_weight_into=grad_weight_into,
+        return_correct=return_correct, shard=shard,
     )
 
 
@@ -178,10 +210,12 @@ def _check_gradient_destination(grad_scale, grad_weight_into, weight, reduction)
 def linear_cross_entropy_of_targets(
     hidden, weight, bias, targets: varlen_targets.SupervisedPositions, *, reduction, denominator, label_smoothing,
     z_loss_weight, softcap, return_logprobs, backend, chunk_rows, gemm_dtype, grad_scale=None, grad_weight_into=None,
+    return_correct=False, shard: VocabShard | None = None,
 ) -> VarlenCEOutput:
     """varlen_linear_cross_entropy once the supervised rows are known (hidden a plain (T, H)
-    tensor). Nothing here reads a value back from the device, so it also runs on meta tensors:
-    the byte accounting (byte_accounting.py) replays the CUDA path's allocations through it."""
+    tensor; shard: vocab_parallel.vocab_shard's, None for the whole vocabulary on one rank).
+    Nothing here reads a value back from the device, so it also runs on meta tensors: the byte
+    accounting (byte_accounting.py) replays the CUDA path's allocations through it."""
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},) to match weight, got {tuple(bias.shape)}")
     if not (hidden.is_floating_point() and weight.is_floating_point()):
@@ -197,11 +231,20 @@ def linear_cross_entropy_of_targets(
     dtype = compute_dtype_for(hidden.dtype)
     backend_name, row_kernel = select_row_kernel(backend, hidden.device, dtype)
     row_scale = _row_scale(reduction, denominator, targets, dtype, hidden.device)
-    loss, zloss, logprob = LinearCrossEntropyFunction.apply(
+    shard = shard or vocab_shard(weight.shape[0])
+    if shard.parallel:
+        row_kernel = VocabParallelRows(shard, shard_kernels(backend_name))
+        if chunk_rows is None:  # every rank of the group must cut the same chunks: the whole vocabulary's rule
+            chunk_rows = default_chunk_rows(total_tokens, targets.labels.numel(), hidden.shape[1], shard.vocab_size,
+                                            hidden.dtype, hidden.device, grad_weight_into is not None)
+    elif return_correct:
+        row_kernel = with_argmax_hits(row_kernel)
+    vocab_rows = shard.rows if shard.rows < weight.shape[0] else None
+    loss, zloss, logprob, hits = LinearCrossEntropyFunction.apply(
         hidden, targets.positions, weight, bias, targets.labels, row_scale, options, row_kernel, reduction != "none",
-        chunk_rows, gemm_dtype, grad_scale, grad_weight_into, torch.is_grad_enabled(),
+        chunk_rows, gemm_dtype, grad_scale, grad_weight_into, torch.is_grad_enabled(), vocab_rows, return_correct,
     )
-    return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name)
+    return _output(loss, zloss, logprob, targets, row_scale, total_tokens, reduction, return_logprobs, backend_name, hits)
 
 
 def varlen_cross_entropy(

@@ -1,5 +1,6 @@
-"""The byte accounting (hpsft/ops/byte_accounting.py): against what a GPU measured, and the
-redesigned loss's accounted memory against Liger-Kernel's at the same shapes.
+"""The byte accounting (hpsft/ops/byte_accounting.py): against what a GPU measured, the
+redesigned loss's accounted memory against Liger-Kernel's at the same shapes, and the
+vocabulary-parallel form's against the one-rank op's.
 
 The measured figures are the H200 run's (docs/gpu_results.md, bench_varlen_ce.py --device
 cuda: peak extra MiB of one bf16 fwd+bwd, H=4096, V=128256, every token supervised), 1%
@@ -79,3 +80,46 @@ def test_live_bytes_counts_new_storages_once_until_freed():
     assert count.peak == 12288 + 512 + 12288  # a, the 10x10 operand and mm's output, alive together
     assert allocator_bytes(0) == 0 and allocator_bytes(1) == 512 and allocator_bytes(1024) == 1024
     del b
+
+
+def tp_communication_bytes(tokens: int, rows: int, itemsize: int = 2) -> int:
+    """The vocabulary-parallel op's communication buffers: the (T, H) partial d(hidden) the TP
+    group's all-reduce sums (replicated: it does not shrink with TP), and one chunk's two
+    all-reduce buffers, the (rows, 1) maxima and (rows, 2) sums in fp32 (no smoothing, no accuracy)."""
+    return itemsize * tokens * H + allocator_bytes(4 * rows) + allocator_bytes(8 * rows)
+
+
+@pytest.mark.parametrize(("tokens", "tp", "weight_grad_in_engine"),
+                         [(8192, 2, False), (8192, 8, False), (32768, 2, False), (32768, 8, False),
+                          (8192, 2, True), (8192, 8, True)])
+def test_vocabulary_parallel_loss_needs_a_tp_th_of_the_memory_plus_its_communication_buffers(
+        tokens, tp, weight_grad_in_engine):
+    """Issue 36's bound at Llama-3-8B's head (V padded to a multiple of 128 x TP, as Megatron
+    does): one TP rank's peak extra memory <= today's one-rank figure / TP + the communication
+    buffers (tp_communication_bytes). Rank 0, which holds the most real rows. Catches the chunk
+    rule taken from the shard's width instead of the whole vocabulary's (a TP x wider block;
+    planted: TP=8 253 MiB > 205 at 8k tokens, 634 > 444 at 32k, 127 > 99 into the engine's
+    buffer; TP=2 stays within the slack d(hidden) leaves), and any (T, V/TP) or (V, H) buffer."""
+    today = account_hpsft(tokens, H, V, torch.bfloat16, weight_grad_in_engine=weight_grad_in_engine)
+    sharded = account_hpsft(tokens, H, V, torch.bfloat16, weight_grad_in_engine=weight_grad_in_engine, tp_size=tp)
+    block = next(shape for shape, dtype, _ in sharded.at_peak if dtype == torch.float32 and len(shape) == 2)
+    bound = today.peak_bytes / tp + tp_communication_bytes(tokens, block[0])
+    print(f"{tokens} tokens TP={tp}: {sharded.peak_mib:.1f} MiB <= {bound / 2**20:.1f} (today {today.peak_mib:.1f} / {tp} + buffers)")
+    assert sharded.peak_bytes <= bound, sharded.describe(12)
+
+
+def test_what_is_alive_at_a_tp_ranks_peak_is_its_shard():
+    """32k tokens at TP=8: the (T, H) bf16 partial d(hidden), the shard's bf16 d(weight) of
+    V padded / 8 = 16128 rows, ONE fp32 logit block of the shard's real columns (rank 0: all
+    16128) and the chunk's gathered rows and d(hidden) rows; everything else (statistics, the
+    all-reduce buffers, per-row vectors) under 1 % of the total."""
+    from hpsft.ops.byte_accounting import shard_rows
+
+    rows = shard_rows(V, 8)
+    accounted = account_hpsft(32768, H, V, torch.bfloat16, tp_size=8)
+    (hidden_grad, weight_grad, block, *chunk), rest = accounted.at_peak[:5], accounted.at_peak[5:]
+    assert rows == 16128 and hidden_grad == ((32768, H), torch.bfloat16, 2 * 32768 * H)
+    assert weight_grad == ((rows, H), torch.bfloat16, 2 * rows * H)
+    assert block[0][1] == rows and block[1] == torch.float32
+    assert chunk == [((block[0][0], H), torch.bfloat16, 2 * block[0][0] * H)] * 2
+    assert sum(nbytes for *_, nbytes in rest) < 0.01 * accounted.peak_bytes, accounted.describe(30)
