@@ -238,7 +238,8 @@ def test_non_finite_gradient_steps_are_skipped_counted_and_stop_the_run(tmp_path
     checkpoint; without ZeRO (the engine's own skip), ZeRO-1/2 over 2 ranks, ZeRO-3.
     Planted: the engine's skip testing math.isnan (an inf norm applied as a normal step: [0-1]
     failed, its weights went NaN and step 3's loss with them, on the tiny model too); SkippedSteps counting NaN norms
-    only ([2-2] failed: the run did not stop, DeepSpeed's ZeRO-1/2 reports inf for both).
+    only ([2-2] failed: the run did not stop, DeepSpeed's ZeRO-1/2 reports inf for both); the engine's own skip
+    not counting the step ([0-1] failed: global_steps 1 in step 2's checkpoint).
     The SmolLM2-shaped tiny model: the skip paths need no pretrained weights."""
     train, _ = tiny_data
     out = tmp_path / "run"
@@ -257,6 +258,10 @@ def test_non_finite_gradient_steps_are_skipped_counted_and_stop_the_run(tmp_path
     # The loss itself stays finite (None in metrics.jsonl when not): only gradients are poisoned.
     assert all((m["train/loss"] or 0) > 0 for m in metrics), metrics
     assert checkpoint_names(out) == ["global_step_1", "global_step_2"]
+    # A skipped step is counted as a step, by DeepSpeed's ZeRO and without ZeRO by the engine: its
+    # step count stays the trainer's (the worker's fault hooks go by it).
+    model_file = next((out / "checkpoints" / "global_step_2").glob("*model_states.pt"))
+    assert torch.load(model_file, map_location="cpu", weights_only=False)["global_steps"] == 2
 
     before = engine_tensors(out / "checkpoints" / "global_step_1")
     after = engine_tensors(out / "checkpoints" / "global_step_2")

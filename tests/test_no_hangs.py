@@ -51,14 +51,14 @@ def test_a_failure_on_one_rank_ends_every_rank_within_seconds(tmp_path, tiny_cha
         "data.train_batch_size": 4, "trainer.total_steps": 3, "trainer.export_hf": "false",
         "engine.collective_timeout_s": 600})
     command = cli_command("hpsft.train", args, nproc=2) if launcher == "torchrun" else plain_ranks_command(args, 2)
-    env = {**train_env(), "HPSFT_TEST_FAIL_RANK_AT_STEP": "1:2"}
+    env = {**train_env(), "HPSFT_TEST_WORKER_FAULT": "raise:1:2"}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, failed_at = [], []
 
     def read_output():
         for line in proc.stdout:
             lines.append(line)
-            if "HPSFT_TEST_FAIL_RANK_AT_STEP: rank 1 fails in step 2" in line and not failed_at:
+            if "HPSFT_TEST_WORKER_FAULT: rank 1 fails at step 2" in line and not failed_at:
                 failed_at.append(time.monotonic())
 
     reader = threading.Thread(target=read_output, daemon=True)
@@ -77,7 +77,7 @@ def test_a_failure_on_one_rank_ends_every_rank_within_seconds(tmp_path, tiny_cha
     print(f"{launcher}: every rank ended {ended_at - failed_at[0]:.1f} s after rank 1's failure")
     assert ended_at - failed_at[0] < 60, output[-6000:]
     assert proc.returncode != 0
-    assert "InjectedFailure" in output and "Traceback" in output  # the failing rank's own report
+    assert "InjectedFault" in output and "Traceback" in output  # the failing rank's own report
     assert processes_naming(str(out)) == []
     assert [m["step"] for m in read_metrics(out)] == [1]
     assert not (out / "checkpoints" / "latest").exists()

@@ -512,12 +512,12 @@ def test_two_nodes_a_worker_raising_shows_its_traceback_node_and_rank(tmp_path, 
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpsft: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert re.fullmatch(rf"hpsft: error: worker rank 1 \(node [\d.]+ \({node[:8]}\), pid {pid}\) failed in "
-                        r"train_batch: RuntimeError: HPSFT_TEST_WORKER_FAULT: rank 1 fails at step 2", errors[0])
+                        r"train_batch: InjectedFault: HPSFT_TEST_WORKER_FAULT: rank 1 fails at step 2", errors[0])
     # The remote traceback, down to the line that raised, printed by the driver before the summary.
     start = proc.stderr.index("hpsft: the worker's traceback:")
     traceback = proc.stderr[start:proc.stderr.index(errors[0], start)]
     assert "training_worker.py" in traceback and "in train_batch" in traceback
-    assert "fault_hook.py" in traceback and "in maybe_fail" in traceback
+    assert "faults.py" in traceback and "in strike" in traceback
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
 
 

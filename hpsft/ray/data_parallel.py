@@ -1,4 +1,5 @@
-"""The worker group seen from the driver as one TrainingWorker that takes whole global batches.
+"""The worker group seen from the driver as one Worker (hpsft/workers/base.py) that takes whole
+global batches.
 
 The driver sees every sequence of a step, so it computes lengths and the step's loss-token
 count itself (no all-gather), splits the batch into per-rank shards balanced by tokens
@@ -18,10 +19,11 @@ from hpsft.data.balance import sequence_costs, split_by_cost
 from hpsft.data.batch import loss_token_count, select, seqlens
 from hpsft.ray.worker_group import PerRank, RayWorkerGroup
 from hpsft.utils.distributed import Mesh
+from hpsft.workers.base import Worker
 from hpsft.workers.step_result import StepResult
 
 
-class DataParallelWorker:
+class DataParallelWorker(Worker):
     def __init__(self, group: RayWorkerGroup, mesh: Mesh, attention_hidden_size: int | None = None):
         self.group = group
         self.mesh = mesh  # the workers' (the driver has no rank in it)

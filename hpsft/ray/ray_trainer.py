@@ -28,11 +28,11 @@ class RaySFTTrainer(SFTTrainer):
     checkpoint_mode = "ray"
 
     def __init__(self, config: SFTConfig):
+        self.group: RayWorkerGroup | None = None  # the workers behind self.worker, once built
         try:
             super().__init__(config)
         except BaseException:  # e.g. a bad resume path after the group started: free the workers
-            if isinstance(getattr(self, "worker", None), DataParallelWorker):
-                self.close()
+            self.close()
             raise
 
     def build_mesh(self) -> Mesh:
@@ -53,8 +53,8 @@ class RaySFTTrainer(SFTTrainer):
         pool = RayResourcePool(cfg.ray.nnodes, cfg.ray.n_workers_per_node, cfg.ray.cpus_per_worker,
                                cfg.ray.placement_timeout_s)
         worker = ClassWithInitArgs(TrainingWorker, self.worker_args())
-        group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend, cfg.trainer.seed, cfg.ray.call_timeout_s,
-                               cfg.engine.collective_timeout_s)
+        group = self.group = RayWorkerGroup(pool, worker, cfg.engine.dist_backend, cfg.trainer.seed,
+                                            cfg.ray.call_timeout_s, cfg.engine.collective_timeout_s)
         print("hpsft: ray worker group:\n  " + "\n  ".join(group.placement_lines()), flush=True)
         if self.mesh.tp_size > 1:
             print("hpsft: tensor-parallel groups, each on one node:\n  "
@@ -89,6 +89,6 @@ class RaySFTTrainer(SFTTrainer):
         self.train_loader = self.build_train_loader()
 
     def close(self) -> None:
-        """Free the workers and their placement groups (the Ray instance stays)."""
-        if self.worker is not None:
-            self.worker.group.shutdown()
+        """Free the workers and their placement groups (the Ray instance stays; idempotent)."""
+        if self.group is not None:
+            self.group.shutdown()

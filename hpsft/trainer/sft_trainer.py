@@ -5,7 +5,6 @@ Builder sequence as in verl: config -> tokenizer and datasets -> worker (model +
 normalisation inputs, logging and checkpoint timing; it never imports Ray.
 """
 
-import functools
 import time
 from pathlib import Path
 
@@ -28,13 +27,12 @@ from hpsft.models import load_tokenizer
 from hpsft.utils.progress import progress_bar, step_postfix
 from hpsft.utils.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
-from hpsft.trainer.failure_hook import fail, failing_step
 from hpsft.trainer.fingerprint import differences, run_fingerprint
-from hpsft.trainer.nonfinite import SkippedSteps, nonfinite_gradient_loss, nonfinite_gradient_steps
+from hpsft.trainer.nonfinite import SkippedSteps
 from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.rng import rng_state, seed_everything, set_rng_state
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
-from hpsft.workers import TrainingWorker
+from hpsft.workers import TrainingWorker, Worker
 from hpsft.workers.step_result import StepResult
 
 
@@ -100,10 +98,8 @@ class SFTTrainer:
         self.checkpoints = CheckpointManager(self.run_dir)
         resume_from = self.find_checkpoint()
 
-        self.worker = self.build_worker()
+        self.worker: Worker = self.build_worker()
         self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
-        self.nonfinite_gradient_steps = nonfinite_gradient_steps()  # a test hook: empty in real runs
-        self.failing_step = failing_step(self.rank)  # a test hook: None in real runs
 
         # Everything that can fail on bad input has run: only now does the run directory appear
         # (and a previous run's outputs go, when the user asked for that).
@@ -149,7 +145,7 @@ class SFTTrainer:
         return (config.model, config.loss, config.engine, config.optim, config.data, self.total_steps, self.mesh,
                 config.trainer.peak_flops_per_device, config.trainer.seed)
 
-    def build_worker(self):
+    def build_worker(self) -> Worker:
         worker = TrainingWorker(*self.worker_args())
         worker.init_model()
         return worker
@@ -372,17 +368,7 @@ class SFTTrainer:
             self.epoch, self.samples_in_epoch = self.epoch + 1, 0
 
     def train_step(self, batch) -> StepResult:
-        if self.global_step + 1 == self.failing_step:
-            fail(self.rank, self.failing_step)
-        global_loss_tokens = self.worker.global_loss_tokens(batch)
-        poison = self.nonfinite_gradient_steps.get(self.global_step + 1)
-        if poison is None:
-            return self.worker.train_batch(batch, global_loss_tokens)
-        self.worker.set_loss_fn(functools.partial(nonfinite_gradient_loss, poison))  # hpsft/trainer/nonfinite.py
-        try:
-            return self.worker.train_batch(batch, global_loss_tokens)
-        finally:
-            self.worker.reset()
+        return self.worker.train_batch(batch, self.worker.global_loss_tokens(batch))
 
     def profile_before_step(self) -> None:
         """Start the profiler at the first step of trainer.profile_steps this run makes (a run

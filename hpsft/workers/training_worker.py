@@ -38,7 +38,8 @@ from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 from hpsft.utils.perf import device_peak, flop_counts, model_flops, rss_anon_bytes
 from hpsft.utils.profiling import StepProfiler
 from hpsft.utils.progress import progress_bar
-from hpsft.workers.fault_hook import maybe_fail
+from hpsft.workers.base import Worker
+from hpsft.workers.faults import InjectedFaults
 from hpsft.workers.step_result import StepResult
 
 
@@ -49,7 +50,7 @@ def token_mean_loss(outputs: dict, global_loss_tokens: int) -> torch.Tensor:
     return outputs["loss"] / max(global_loss_tokens, 1)
 
 
-class TrainingWorker:
+class TrainingWorker(Worker):
     def __init__(self, model_config, loss_config, engine_config, optim_config, data_config, total_steps: int,
                  mesh: distributed.Mesh, peak_flops: float | None = None, seed: int = 0):
         self.model_config = model_config
@@ -61,7 +62,7 @@ class TrainingWorker:
         self.mesh = mesh.at(distributed.rank())  # this process's place (a Ray driver's mesh has none)
         self.engine: TrainEngine = build_engine(engine_config, optim_config, total_steps, self.mesh)
         self.n_sources = len(data_config.train_files)  # per-source losses are summed when more than one
-        self.loss_fn: Callable = token_mean_loss
+        self.faults = InjectedFaults.from_environment()  # the tests' (hpsft/workers/faults.py): none in a real run
         self.profiler: StepProfiler | None = None  # while trainer.profile_steps are running on this rank
         self.feed: DeviceFeed | None = None  # what the rows are built in: set in init_model, from the engine's device
         self.lm = None  # the Hugging Face model init_model builds (the engine trains it inside PackedCausalLM)
@@ -116,19 +117,15 @@ class TrainingWorker:
         if distributed.rank() == 0:
             print(f"hpsft: MFU peak per device: {self.peak.source}", flush=True)
 
-    def set_loss_fn(self, loss_fn: Callable) -> None:
-        """`loss_fn(outputs, global_loss_tokens) -> loss`; outputs = PackedCausalLM's."""
-        self.loss_fn = loss_fn
-
-    def reset(self) -> None:
-        """Back to the default loss function."""
-        self.loss_fn = token_mean_loss
-
-    def loss_weight(self, global_loss_tokens: int) -> float | None:
-        """What the loss function multiplies the module's loss by: known for token_mean_loss
-        (the engine may then sum the LM head's gradient into its own fp32 gradient); None for
-        any other (set_loss_fn's, e.g. the non-finite-gradient test hook's)."""
-        return 1 / max(global_loss_tokens, 1) if self.loss_fn is token_mean_loss else None
+    def step_loss(self, step: int, global_loss_tokens: int) -> tuple[Callable, float | None]:
+        """The step's loss of a micro-batch's outputs (token_mean_loss), and what it multiplies the
+        module's loss by (the engine may then sum the LM head's gradient into its own fp32 one:
+        TrainEngine.train_batch's loss_weight). A test's non-finite-gradient step
+        (faults.py) goes through autograd only."""
+        transform = self.faults.loss_transform(step)
+        if transform is None:
+            return (lambda out: token_mean_loss(out, global_loss_tokens)), 1 / max(global_loss_tokens, 1)
+        return (lambda out: transform(token_mean_loss(out, global_loss_tokens))), None
 
     def micro_batches(self, batch) -> tuple[list, list[list[int]]]:
         """This rank's micro-batches (packed rows, or this SP rank's slices of them) and the
@@ -152,15 +149,15 @@ class TrainingWorker:
         """One optimizer step on this rank's share of the global batch; the loss is normalised
         by `global_loss_tokens` (global_loss_tokens() under SPMD; the Ray driver, which sees the
         whole batch, counts it itself)."""
-        maybe_fail(self.engine.steps + 1)
+        step = self.engine.steps + 1
+        self.faults.strike(self.mesh.rank, step)
         lengths = seqlens(batch).tolist()
         rows, bins = self.micro_batches(batch)
         start = time.perf_counter()
         with self.profiler.annotate_step() if self.profiler else contextlib.nullcontext():
             # with several training sources, per-sequence NLLs for the per-source losses
-            result = self.engine.train_batch(rows, lambda out: self.loss_fn(out, global_loss_tokens),
-                                             sequence_nll=self.n_sources > 1,
-                                             loss_weight=self.loss_weight(global_loss_tokens))
+            loss_fn, loss_weight = self.step_loss(step, global_loss_tokens)
+            result = self.engine.train_batch(rows, loss_fn, sequence_nll=self.n_sources > 1, loss_weight=loss_weight)
         seconds = time.perf_counter() - start
         # An SP rank does 1/SP of its replica's work (attention included: its share of the heads),
         # a TP rank about 1/TP (its shards; the replicated LM head and norms are not split out), a
@@ -235,7 +232,7 @@ class TrainingWorker:
         self.engine.save_checkpoint(root, tag)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
-        maybe_fail("load_checkpoint")
+        self.faults.strike(self.mesh.rank, "load_checkpoint")
         self.engine.load_checkpoint(root, tag)
 
     def export_hf(self, out_dir: str, tokenizer, max_shard_mb: int = DEFAULT_MAX_SHARD_MB,

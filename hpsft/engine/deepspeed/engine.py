@@ -160,8 +160,11 @@ class DeepSpeedEngine(TrainEngine):
         unsharded_norm = self.clip_unsharded_grads() if self.stage == 0 else None
         if unsharded_norm is not None and not math.isfinite(unsharded_norm):
             # ZeRO 1-3 skip a step whose gradient norm is NaN/Inf, leaving weights, optimizer
-            # state and LR schedule as they were; without ZeRO DeepSpeed would apply it.
+            # state and LR schedule as they were; without ZeRO DeepSpeed would apply it. Counted
+            # as DeepSpeed counts a step ZeRO skips (`steps` stays the trainer's step).
             self.engine.zero_grad()
+            self.engine.global_steps += 1
+            self.engine.skipped_steps += 1
         else:
             self.engine.step()
         grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
