@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         SFTTrainer(config).fit()
     except UserInputError as err:  # a ConfigError is one
         return failed(report_user_error(err))
-    except Preempted as stop:  # its checkpoint saved; stop signals ignored since (PreemptionWatch.saved)
+    except Preempted as stop:  # its checkpoint saved; stop signals ignored since the ranks agreed (preemption.py)
         print(f"hpsft: {stop}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     except Exception:  # a bug: its traceback, then the same quick exit

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             print(f"hpsft: the worker's traceback:\n{err.remote_traceback}", file=sys.stderr)
         print(f"hpsft: error: {err}", file=sys.stderr, flush=True)
         return 1
-    except Preempted as stop:  # its checkpoint saved; stop signals ignored since (PreemptionWatch.saved)
+    except Preempted as stop:  # its checkpoint saved; stop signals ignored since the ranks agreed (preemption.py)
         print(f"hpsft: {stop}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     return 0

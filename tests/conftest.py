@@ -355,8 +355,9 @@ def cli_command(module: str | None, args: list[str], nproc: int = 1, script: str
         return [*python, *target, *args]
     if launcher == "torchrun":
         # Preloaded, torchrun's script is the client and `-m module` (or the script) its arguments.
-        # torchrun itself stays cold: forked, its agent SIGTERMed the ranks still saving a
-        # preempted step's checkpoint sooner than they began to ignore signals (test_fault_tolerance).
+        # torchrun itself stays cold: forked, its agent once SIGTERMed a rank still saving a
+        # preempted step's checkpoint before it ignored signals (a window closed since: ranks
+        # ignore them from the agreement to stop on, hpsft/trainer/preemption.py).
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 *client, *target, *args]
     if launcher == "deepspeed":

@@ -15,8 +15,9 @@ descriptors as 0/1/2, its cwd, umask, environment and argv, reseeds `random`, se
 count from OMP_NUM_THREADS (libgomp read it when the server loaded), and runs the module as
 `__main__` the way `python -m` does. The waiter reports the run's pid and exit status; the
 client forwards the signals it gets (torchrun's SIGTERM, a test's SIGUSR1...) to the run and
-ends as the run ended (its exit code, or killed by the same signal). A client killed outright
-(SIGKILL) closes its socket, and the waiter then kills the run's process group.
+ends as the run ended (its exit code, or killed by the same signal), whatever it gets after
+that. A client killed outright (SIGKILL) closes its socket, and the waiter then kills the
+run's process group.
 
 So launchers are unchanged: torchrun, the deepspeed launcher and Ray start the client as they
 would start python, and the run is the real CLI, in a fresh process of its own, with real
@@ -93,12 +94,24 @@ def run_client(args: list[str]) -> None:
     except (OSError, EOFError):
         conn.close()
         os.execv(sys.executable, [sys.executable, *args])  # cold start: the same run
+
+    def forward(received, _frame):
+        try:
+            os.kill(run_pid, received)
+        except ProcessLookupError:  # the run has just ended: its status is on its way
+            pass
+
     for number in FORWARDED_SIGNALS:
-        signal.signal(number, lambda received, _frame: os.kill(run_pid, received))
+        signal.signal(number, forward)
     try:  # a forwarded signal does not interrupt this wait (PEP 475: recv resumes)
         status = receive_message(conn)["status"]
     except EOFError:  # the server died under the run: nothing to report
         sys.exit(1)
+    # The run has ended, and a signal now (torchrun's SIGTERM to a rank already leaving) must
+    # not change how the client ends, as it cannot change an exited python's. Left to Python,
+    # the handlers above would go back to the default action as the interpreter finalizes.
+    for number in FORWARDED_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
         if number not in (signal.SIGKILL, signal.SIGSTOP):

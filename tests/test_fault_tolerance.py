@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from hpsft.trainer.save_pause import PAUSE_IN_SAVE_ENV
 from tests.conftest import REPO, base_overrides, cli_command, read_metrics, run_cli, train_env, write_parquet
 from tests.test_spmd_training import assert_ok, rel_diff
 
@@ -59,7 +60,7 @@ def straight_run(tmp_path_factory, model: str, train: str):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, model_path, train):
-    """The 2-layer SmolLM2's: the SIGTERM test needs its steps' length (the signal lands
+    """The 2-layer SmolLM2's: the preemption tests need its steps' length (the signal lands
     within step 2; the tiny model's steps take milliseconds)."""
     return straight_run(tmp_path_factory, model_path, train)
 
@@ -119,28 +120,69 @@ def test_a_fresh_run_into_an_old_run_directory_is_refused_unless_overwritten(tmp
     assert checkpoint_names(out) == ["global_step_1"] and (out / "notes.txt").is_file()
 
 
+# The first stop signal is noted; a second one kills at once, also while the main thread is
+# blocked in C++ (a future's wait, as a rank in a collective), where no Python handler runs.
 SIGNAL_TWICE = """
+import os, signal, threading
+import torch
+from hpsft.trainer.preemption import PreemptionWatch
+
+def after(seconds, action, *args):
+    timer = threading.Timer(seconds, action, args)
+    timer.daemon = True
+    timer.start()
+
+with PreemptionWatch() as watch:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print("noted", watch.received, flush=True)
+    blocked = torch.futures.Future()
+    after(1, os.kill, os.getpid(), signal.SIGTERM)
+    after(300, blocked.set_result, None)
+    blocked.wait()
+"""
+
+
+def test_first_signal_is_noted_and_a_second_one_kills_at_once():
+    """Planted: the second signal handled in Python (hpsft before 2026-12-03: the first
+    signal left the handler in place): the process died only when the wait returned, 300 s
+    on, and the test failed on its 120 s timeout."""
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "noted True", proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGTERM
+
+
+# Once the ranks agreed to stop (a world of one agrees with itself), stop signals are ignored,
+# also after the watch is left, while the process exits with 75.
+SIGNALS_AFTER_THE_AGREEMENT = """
 import os, signal, sys
 from hpsft.trainer.preemption import PreemptionWatch
 
 with PreemptionWatch() as watch:
     os.kill(os.getpid(), signal.SIGUSR1)
-    print("noted", watch.received, watch.stop_agreed(), flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
-    print("still alive after a second signal", flush=True)
+    print("agreed", watch.stop_agreed(), flush=True)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM):
+        os.kill(os.getpid(), sig)
+    print("saving", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("exiting", flush=True)
+sys.exit(75)
 """
 
 
-def test_first_signal_is_noted_and_a_second_one_kills_at_once():
-    proc = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.splitlines()[-1] == "noted True True", proc.stdout + proc.stderr
-    assert proc.returncode == -signal.SIGTERM
+def test_from_the_agreement_to_the_exit_stop_signals_are_ignored():
+    """Planted: signals ignored only once the save returned (PreemptionWatch.saved, hpsft
+    before 2026-12-03; here: never, as no save is made): killed by the first repeat, exit
+    -15, the test failed."""
+    proc = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_THE_AGREEMENT], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.splitlines()[-3:] == ["agreed True", "saving", "exiting"], proc.stdout + proc.stderr
+    assert proc.returncode == 75
 
 
 def rank_pid(run_dir: Path, rank: int) -> int:
-    """The PID of the process torchrun started as rank `rank` of the run writing to `run_dir`
-    (its command line names the folder, its environment RANK=<rank>; preloaded, that is the
-    client, which forwards a signal to its run)."""
+    """The PID of the process the launcher started as rank `rank` of the run writing to
+    `run_dir` (its command line names the folder, its environment RANK=<rank>; preloaded,
+    that is the client, which forwards a signal to its run)."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
         try:
@@ -152,12 +194,89 @@ def rank_pid(run_dir: Path, rank: int) -> int:
     return found[0]
 
 
-def wait_for_first_metrics(run_dir, proc, timeout_s: float = 400) -> None:
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
-    while not (metrics.is_file() and metrics.read_text().strip()):
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before its first step"
-        assert time.monotonic() < deadline, "no step within the time limit"
+def wait_until(condition, what: str, proc, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
         time.sleep(0.05)
+
+
+def wait_for_first_metrics(run_dir, proc) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(lambda: metrics.is_file() and metrics.read_text().strip(), "its first step", proc)
+
+
+def ranks_at(folder: Path, point: str, proc) -> dict[int, int]:
+    """rank -> the PID of its run process, once both ranks have reached `point` of the
+    preempted step's save (hpsft/trainer/save_pause.py)."""
+    markers = {rank: folder / f"{point}.{rank}" for rank in (0, 1)}
+    wait_until(lambda: all(m.exists() for m in markers.values()), f"both ranks at '{point}' of the save", proc)
+    return {rank: int(m.read_text()) for rank, m in markers.items()}
+
+
+def asleep(pid: int) -> bool:
+    """Whether the process's main thread sleeps (in a barrier, gloo waits on a futex)."""
+    return psutil.Process(pid).status() == psutil.STATUS_SLEEPING
+
+
+def repeat_stop_signals(pid: int) -> None:
+    """What a launcher, Slurm's time limit or an impatient user may send a rank that is saving."""
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGUSR1)
+
+
+def preempt(tmp_path, model_path, train, launcher: str, paused_rank: int, point: str, signal_them):
+    """Start a 2-rank run with rank `paused_rank` to pause at `point` of its save; SIGTERM rank
+    1 once step 1 is logged (so during step 2); once both ranks are at `point`,
+    `signal_them(pids, log)`, then let the paused rank go on. (run folder, its output, the
+    launcher's exit status.)"""
+    stopped, pauses, log = tmp_path / "stopped", tmp_path / "pauses", tmp_path / "stopped.log"
+    pauses.mkdir()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cli_command("hpsft.train", base_overrides(model_path, train, None, stopped, **COMMON),
+                                            nproc=2, launcher=launcher), cwd=REPO,
+                                env={**train_env(), PAUSE_IN_SAVE_ENV: f"{paused_rank}:{point}:{pauses}"},
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for_first_metrics(stopped, proc)
+            os.kill(rank_pid(stopped, 1), signal.SIGTERM)
+            signal_them(ranks_at(pauses, point, proc), log, proc)
+            (pauses / f"{point}.go").touch()
+            proc.wait(timeout=400)
+        finally:
+            proc.kill()
+    return stopped, log.read_text(), proc.returncode
+
+
+def assert_saved_and_every_rank_exited_75(stopped, output: str, launcher: str, status: int) -> int:
+    """The step reached, committed with both ranks' shards; each rank left with 75. (torchrun
+    lists each rank's exit code in its failure summary and exits 1 itself; the deepspeed
+    launcher exits with the first non-zero code, and each rank's line says it left with
+    Preempted.) Returns the step."""
+    reached = read_metrics(stopped)[-1]["step"]
+    assert 2 <= reached < COMMON["trainer.total_steps"], output[-5000:]
+    checkpoints = stopped / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == f"global_step_{reached}", output[-5000:]
+    assert not list(checkpoints.glob("*.partial"))
+    checkpoint = checkpoints / f"global_step_{reached}"
+    assert sorted(p.name for p in checkpoint.glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert (checkpoint / "manifest.json").is_file()
+    if launcher == "torchrun":
+        exit_codes = dict(re.findall(r"rank\s*:\s*(\d) \(local_rank: \d\)\s*exitcode\s*:\s*(\S+)", output))
+        assert exit_codes == {"0": "75", "1": "75"}, output[-5000:]
+    else:
+        assert status == 75, output[-5000:]
+    assert output.count(f"hpsft: stopped by a signal (SIGTERM/SIGUSR1) after step {reached}") == 2, output[-5000:]
+    return reached
+
+
+def assert_resumes_exactly(stopped, reached: int, model_path, train, straight) -> None:
+    proc = run_cli("hpsft.train", base_overrides(model_path, train, None, stopped, **COMMON), nproc=2)
+    assert_ok(proc)
+    assert f"global_step_{reached} at step {reached}" in proc.stdout
+    assert_same_steps(straight, stopped, range(1, 6))
 
 
 @pytest.mark.slow
@@ -165,37 +284,73 @@ def test_sigterm_to_one_rank_saves_the_step_reached_by_all_and_the_resume_matche
                                                                                   straight):
     """SIGTERM to rank 1 only (after step 1 is logged, so during step 2): both ranks finish
     the step, save it, exit 75; resuming gives the uninterrupted (1-process) run's losses and
-    gradient norms. Planted: the engine's backward without its dp_size factor (2 ranks'
-    gradients halved): failed on step 1's gradient norm, 16.3 against 32.6."""
-    stopped = tmp_path / "stopped"
+    gradient norms. Rank 1 pauses after the save's last barrier until torchrun, seeing rank 0
+    leave with 75, has SIGTERMed it (torchrun's log says so) and the test has sent it SIGTERM
+    and SIGUSR1 too: the race CI met in eb0514b's .ci/run (rank 1 -15), made certain.
+    Planted: the engine's backward without its dp_size factor (2 ranks' gradients halved):
+    failed on step 1's gradient norm, 16.3 against 32.6. Planted: signals ignored only once
+    save_checkpoint returned (PreemptionWatch.saved, hpsft before 2026-12-03): rank 1 exited
+    -15, the test failed."""
+    def after_torchruns_sigterm(pids, log, proc):
+        wait_until(lambda: "closing signal SIGTERM" in log.read_text(), "torchrun's SIGTERM to rank 1", proc)
+        repeat_stop_signals(pids[1])
 
-    log = tmp_path / "stopped.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cli_command("hpsft.train", base_overrides(model_path, train, None, stopped, **COMMON),
-                                            nproc=2), cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_for_first_metrics(stopped, proc)
-            os.kill(rank_pid(stopped, 1), signal.SIGTERM)
-            proc.wait(timeout=400)
-        finally:
-            proc.kill()
-    output = log.read_text()
-    reached = read_metrics(stopped)[-1]["step"]
+    stopped, output, status = preempt(tmp_path, model_path, train, "torchrun", 1, "saved", after_torchruns_sigterm)
+    reached = assert_saved_and_every_rank_exited_75(stopped, output, "torchrun", status)
     assert reached == 2, output[-5000:]
-    assert (stopped / "checkpoints" / "latest").read_text().strip() == f"global_step_{reached}"
-    checkpoint = stopped / "checkpoints" / f"global_step_{reached}"
-    assert sorted(p.name for p in checkpoint.glob("*optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert (checkpoint / "manifest.json").is_file()
-    # Each rank exits 75, also the one still exiting when torchrun SIGTERMs it after the first
-    # one left; torchrun lists them in its failure summary and exits 1 itself.
-    exit_codes = dict(re.findall(r"rank\s*:\s*(\d) \(local_rank: \d\)\s*exitcode\s*:\s*(\S+)", output))
-    assert exit_codes == {"0": "75", "1": "75"}, output[-5000:]
-    assert output.count(f"hpsft: stopped by a signal (SIGTERM/SIGUSR1) after step {reached}") == 2
+    assert_resumes_exactly(stopped, reached, model_path, train, straight)
+
+
+# (launcher, the rank that pauses, where in the save): the other rank waits for it in the
+# barrier after that point: `written` the first (before rank 0 commits), `committed` the last.
+IN_THE_BARRIER = [("torchrun", 0, "committed"), ("torchrun", 1, "written"), ("deepspeed", 0, "committed")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, paused_rank, point", IN_THE_BARRIER)
+def test_stop_signals_repeated_while_a_rank_waits_in_the_save_barrier_are_ignored(tmp_path, model_path, train,
+                                                                                   straight, launcher,
+                                                                                   paused_rank, point):
+    """SIGTERM to rank 1 during step 2, then, while one rank pauses inside the save, SIGTERM
+    and SIGUSR1 to the other, asleep in the barrier waiting for it: both ranks finish the
+    save, exit 75, and the resume gives the uninterrupted run's losses and gradient norms.
+    Planted: signals ignored only once save_checkpoint returned (PreemptionWatch.saved,
+    hpsft before 2026-12-03): each failed. torchrun-0-committed: rank 1 exited -10 (the
+    signals' handlers ran when the barrier returned); torchrun-1-written: rank 0 died after
+    the first barrier, before the commit: no `latest`; deepspeed-0-committed: the launcher
+    exited 246 (a rank's -10)."""
+    def in_the_barrier(pids, log, proc):
+        waiting = pids[1 - paused_rank]
+        wait_until(lambda: asleep(waiting), f"rank {1 - paused_rank} asleep in the barrier", proc)
+        repeat_stop_signals(waiting)
+
+    stopped, output, status = preempt(tmp_path, model_path, train, launcher, paused_rank, point, in_the_barrier)
+    reached = assert_saved_and_every_rank_exited_75(stopped, output, launcher, status)
+    assert_resumes_exactly(stopped, reached, model_path, train, straight)
+
+
+@pytest.mark.slow
+def test_a_save_killed_before_its_commit_is_never_resumed_from(tmp_path, model_path, train, straight):
+    """SIGKILL, which no handler sees, to both ranks while rank 1 pauses before the first
+    barrier of the preempted step's save (its shards and rank 0's written): the folder stays
+    global_step_2.partial, `latest` is never written, and the same command run again starts
+    afresh, deletes the .partial folder at its first save and gives the uninterrupted run's
+    steps. Planted: rank 0 committing before that barrier (its wait for every rank's files):
+    the killed save was committed (latest: global_step_2), the test failed."""
+    def kill(pids, log, proc):
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+
+    stopped, output, status = preempt(tmp_path, model_path, train, "torchrun", 1, "written", kill)
+    checkpoints = stopped / "checkpoints"
+    assert status != 0 and not (checkpoints / "latest").exists(), output[-5000:]
+    assert checkpoint_names(stopped) == ["global_step_2.partial"]
+    assert len(list((checkpoints / "global_step_2.partial").glob("*optim_states.pt"))) == 2
 
     proc = run_cli("hpsft.train", base_overrides(model_path, train, None, stopped, **COMMON), nproc=2)
     assert_ok(proc)
-    assert f"global_step_{reached} at step {reached}" in proc.stdout
+    assert "resumed from" not in proc.stdout
+    assert checkpoint_names(stopped) == ["global_step_5"]
     assert_same_steps(straight, stopped, range(1, 6))
 
 

@@ -27,6 +27,10 @@ if mode == "exit":
     sys.exit(int(sys.argv[3]))
 if mode == "term":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+if mode == "ignore":  # as a preempted rank that has saved: SIGTERM ignored on its way out with 75
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(0.5)
+    sys.exit(75)
 if mode == "raise":
     raise ValueError("from the probe")
 if mode == "selfkill":
@@ -91,6 +95,25 @@ def test_signals_reach_the_run_and_the_client_ends_as_the_run_did(tmp_path):
     assert proc.returncode == 1
     frames = [line for line in err.splitlines() if line.startswith('  File "')]
     assert len(frames) == 1 and "probe.py" in frames[0] and "ValueError: from the probe" in err, err
+
+
+def test_a_signal_while_the_run_ends_leaves_the_client_ending_as_the_run(tmp_path):
+    """The run ignores SIGTERM and exits 75 while the client gets a SIGTERM every millisecond
+    (torchrun's SIGTERM to a rank already leaving): the client exits 75, 10 times of 10.
+    Planted: the client's forwarding handlers left in place once the run had ended
+    (tests/preloaded.py before 2026-12-03; Python puts them back to the default action as it
+    finalizes): the client died of SIGTERM, the test failed. That was the -15 of the loop's
+    torchrun-0-committed and torchrun-1-written rounds (scripts/repeat_tests.sh, docs/testing.md)."""
+    for _ in range(10):
+        proc, pid_file = probe(tmp_path, "ignore")
+        run_pid(pid_file)
+        time.sleep(0.1)  # the client forwards from the moment it has the run's pid, long before
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.001)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 75
+        pid_file.unlink()
 
 
 def test_a_client_killed_outright_takes_its_run_with_it(tmp_path):

@@ -32,6 +32,7 @@ from hpsft.trainer.nonfinite import SkippedSteps
 from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.rng import rng_state, seed_everything, set_rng_state
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
+from hpsft.trainer.save_pause import pause_in_save
 from hpsft.workers import TrainingWorker, Worker
 from hpsft.workers.step_result import StepResult
 
@@ -291,11 +292,14 @@ class SFTTrainer:
                 "rng": rng_state(),
             })
             self.checkpoints.save_run_fingerprint(step, self.fingerprint)
+        pause_in_save("written", self.rank)  # test hooks: empty in real runs
         distributed.barrier()
         if self.rank == 0:
             self.checkpoints.commit(step)
             self.checkpoints.prune(self.config.trainer.keep_last_checkpoints, step)
+        pause_in_save("committed", self.rank)
         distributed.barrier()
+        pause_in_save("saved", self.rank)
         self.last_checkpoint = self.checkpoints.root / CheckpointManager.tag(step)
 
     # ---- loop --------------------------------------------------------------------------
@@ -414,7 +418,7 @@ class SFTTrainer:
                 metrics["train/skipped_steps"] = self.skipped_steps.total
                 progress.update(1)
                 progress.set_postfix(step_postfix(metrics))
-                preempted = preemption.stop_agreed()
+                preempted = preemption.stop_agreed()  # yes: stop signals ignored from here to the exit
                 final = self.global_step == last_step
                 if self.val_dataset is not None and not preempted and (
                         trainer_cfg.val_every and self.global_step % trainer_cfg.val_every == 0 or final):
@@ -425,14 +429,12 @@ class SFTTrainer:
                 self.skipped_steps.check(self.global_step, self.last_checkpoint)
                 if trainer_cfg.save_every and self.global_step % trainer_cfg.save_every == 0 or final or preempted:
                     self.save_checkpoint()
-                if preempted:
-                    preemption.saved()
             progress.close()
             if self.profiling:  # the run stopped inside trainer.profile_steps (stop_at_step, a signal)
                 self.stop_profiler()
             if self.tracker:
                 self.tracker.close()
-            if preempted:  # signals are ignored from the save on (PreemptionWatch.saved)
+            if preempted:
                 raise Preempted(self.global_step, self.last_checkpoint)
         if trainer_cfg.export_hf and self.global_step == self.total_steps:
             self.worker.export_hf(str(self.run_dir / "hf"), self.tokenizer, progress=trainer_cfg.progress_bar)
