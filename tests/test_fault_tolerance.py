@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from hpsft.trainer.save_pause import PAUSE_IN_SAVE_ENV
+from hpsft.workers.faults import PAUSE_IN_SAVE_ENV
 from tests.conftest import REPO, base_overrides, cli_command, read_metrics, run_cli, train_env, write_parquet
 from tests.test_spmd_training import assert_ok, rel_diff
 
@@ -209,7 +209,7 @@ def wait_for_first_metrics(run_dir, proc) -> None:
 
 def ranks_at(folder: Path, point: str, proc) -> dict[int, int]:
     """rank -> the PID of its run process, once both ranks have reached `point` of the
-    preempted step's save (hpsft/trainer/save_pause.py)."""
+    preempted step's save (hpsft/workers/faults.py)."""
     markers = {rank: folder / f"{point}.{rank}" for rank in (0, 1)}
     wait_until(lambda: all(m.exists() for m in markers.values()), f"both ranks at '{point}' of the save", proc)
     return {rank: int(m.read_text()) for rank, m in markers.items()}

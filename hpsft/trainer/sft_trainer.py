@@ -32,8 +32,8 @@ from hpsft.trainer.nonfinite import SkippedSteps
 from hpsft.trainer.preemption import PreemptionWatch
 from hpsft.trainer.rng import rng_state, seed_everything, set_rng_state
 from hpsft.trainer.run_dir import clear_previous_run, fresh_start_problem, unwritable_problem
-from hpsft.trainer.save_pause import pause_in_save
 from hpsft.workers import TrainingWorker, Worker
+from hpsft.workers.faults import InjectedFaults
 from hpsft.workers.step_result import StepResult
 
 
@@ -101,6 +101,7 @@ class SFTTrainer:
 
         self.worker: Worker = self.build_worker()
         self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
+        self.faults = InjectedFaults.from_environment()  # the tests' save pauses: none in real runs
 
         # Everything that can fail on bad input has run: only now does the run directory appear
         # (and a previous run's outputs go, when the user asked for that).
@@ -292,14 +293,14 @@ class SFTTrainer:
                 "rng": rng_state(),
             })
             self.checkpoints.save_run_fingerprint(step, self.fingerprint)
-        pause_in_save("written", self.rank)  # test hooks: empty in real runs
+        self.faults.pause_in_save("written", self.rank)
         distributed.barrier()
         if self.rank == 0:
             self.checkpoints.commit(step)
             self.checkpoints.prune(self.config.trainer.keep_last_checkpoints, step)
-        pause_in_save("committed", self.rank)
+        self.faults.pause_in_save("committed", self.rank)
         distributed.barrier()
-        pause_in_save("saved", self.rank)
+        self.faults.pause_in_save("saved", self.rank)
         self.last_checkpoint = self.checkpoints.root / CheckpointManager.tag(step)
 
     # ---- loop --------------------------------------------------------------------------

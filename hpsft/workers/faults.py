@@ -11,18 +11,28 @@ yet, and creates it: a restarted run then goes on normally.
 HPSFT_TEST_NONFINITE_GRADIENT_STEPS=<step>:<inf|nan>[,...] gives that step's gradients on every
 rank a non-finite norm, its loss left finite (e.g. 3:inf,4:nan): the engine must skip the step
 (trainer/nonfinite.py counts it).
+
+HPSFT_TEST_PAUSE_IN_SAVE=<rank>:<point>:<folder> pauses rank <rank> at a named point of the
+trainer's checkpoint save, so that a test can signal the other ranks while they wait for it in
+the save's barrier, or while the launcher signals them (tests/test_fault_tolerance.py). Points,
+in SFTTrainer.save_checkpoint's order: `written` (this rank's files written, before the first
+barrier), `committed` (after the first barrier; rank 0 has committed and pruned), `saved` (after
+the last barrier). At <point> every rank writes its pid to <folder>/<point>.<rank>; rank <rank>
+then waits until <folder>/<point>.go exists.
 """
 
 import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 WORKER_FAULT_ENV = "HPSFT_TEST_WORKER_FAULT"
 NONFINITE_GRADIENT_STEPS_ENV = "HPSFT_TEST_NONFINITE_GRADIENT_STEPS"
+PAUSE_IN_SAVE_ENV = "HPSFT_TEST_PAUSE_IN_SAVE"
 KINDS = ("raise", "hang", "exit")
 
 
@@ -39,9 +49,17 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class SavePause:
+    rank: int
+    point: str  # written, committed or saved
+    folder: Path  # where every rank notes reaching the point, and the test says go
+
+
+@dataclass(frozen=True)
 class InjectedFaults:
     faults: tuple[Fault, ...] = ()
     nonfinite_steps: dict[int, float] = field(default_factory=dict)  # step -> inf or nan
+    save_pause: SavePause | None = None
 
     @classmethod
     def from_environment(cls) -> "InjectedFaults":
@@ -53,7 +71,12 @@ class InjectedFaults:
                 raise ValueError(f"{WORKER_FAULT_ENV}={spec!r}: the kind is {', '.join(KINDS)}")
             faults.append(Fault(kind, int(rank), when, once[0] if once else None))
         entries = (entry.split(":") for entry in os.environ.get(NONFINITE_GRADIENT_STEPS_ENV, "").split(",") if entry)
-        return cls(tuple(faults), {int(step): float(value) for step, value in entries})
+        pause = os.environ.get(PAUSE_IN_SAVE_ENV)
+        save_pause = None
+        if pause:
+            rank, point, folder = pause.split(":", 2)
+            save_pause = SavePause(int(rank), point, Path(folder))
+        return cls(tuple(faults), {int(step): float(value) for step, value in entries}, save_pause)
 
     def strike(self, rank: int, when) -> None:
         """Act out this rank's fault at `when` (a step number or "load_checkpoint"), if there is one."""
@@ -72,6 +95,18 @@ class InjectedFaults:
                 while True:
                     time.sleep(60)
             os._exit(1)
+
+    def pause_in_save(self, point: str, rank: int) -> None:
+        """At the save's `point`: note this rank's pid there; the paused rank waits for the test's go."""
+        pause = self.save_pause
+        if pause is None or point != pause.point:
+            return
+        written = pause.folder / f"{point}.{rank}.tmp"
+        written.write_text(str(os.getpid()))
+        written.replace(pause.folder / f"{point}.{rank}")  # whole, for a test polling the folder
+        go = pause.folder / f"{point}.go"
+        while pause.rank == rank and not go.exists():
+            time.sleep(0.05)
 
     def loss_transform(self, step: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What step `step`'s loss goes through to make its gradients non-finite; None: nothing."""
