@@ -14,16 +14,16 @@ folder. With --adapter-only: PEFT's adapter folder (adapter_config.json,
 adapter_model.safetensors, and the tokenizer), for peft.PeftModel.from_pretrained(base, folder).
 """
 
-import argparse
 import sys
 
+from hpsft.commands import command_parser
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.utils.errors import exits_2_on_user_error
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="python -m hpsft.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = command_parser(
+        "python -m hpsft.export", __doc__,
         epilog="examples:\n"
                "  hpsft export runs/default/checkpoints/global_step_20 /tmp/step20\n"
                "  hpsft export runs/lora /tmp/lora-adapter --adapter-only   # a LoRA run's adapter alone")

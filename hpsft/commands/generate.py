@@ -6,20 +6,19 @@
 Greedy by default (the same reply every time); --temperature > 0 samples (with --seed).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
+from hpsft.commands import command_parser
 from hpsft.models.generation import generate_replies, load_for_generation, model_folder
 from hpsft.utils.errors import exits_2_on_user_error
 
 
 @exits_2_on_user_error
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hpsft generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("hpsft generate", __doc__)
     parser.add_argument("model", type=Path, help="a model folder, or a run directory with an exported hf/")
     parser.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
     parser.add_argument("--system", default=None, help="a system message before each prompt")

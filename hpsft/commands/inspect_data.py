@@ -11,11 +11,11 @@ them, the counts of the data stage (rows split, expanded per turn, dropped: docs
 and how many rows are refused and why. Nothing is written.
 """
 
-import argparse
 import dataclasses
 import sys
 from collections import Counter
 
+from hpsft.commands import command_parser
 from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.inspection import COLOR_MARKS, PLAIN_MARKS, input_files, length_report, marked_text
@@ -27,8 +27,7 @@ from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
 @exits_2_on_user_error
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hpsft inspect-data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("hpsft inspect-data", __doc__)
     parser.add_argument("--config", default=None, help="YAML config file (e.g. configs/sft.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.max_length=1024")
     parser.add_argument("--rows", type=int, default=3, help="conversations to show (default 3)")

@@ -9,11 +9,11 @@ rate, gradient norm, tokens/s, MFU and padding efficiency. A step logged more th
 (`pip install 'hpsft[plot]'`).
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from hpsft.commands import command_parser
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
 # file name -> (title, y label, metrics drawn on it)
@@ -79,8 +79,7 @@ def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
 
 @exits_2_on_user_error
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hpsft plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("hpsft plot", __doc__)
     parser.add_argument("run_dir", type=Path, help="a run directory (trainer.output_dir)")
     parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: RUN_DIR/plots)")
     args = parser.parse_args(argv)

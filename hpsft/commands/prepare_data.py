@@ -24,7 +24,6 @@ duplicate, over_max_length), token-length percentiles with --tokenizer. A row ov
 marked as context (weight 0): docs/data.md, "Long conversations".
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from hpsft.assets import chat_corpora
+from hpsft.commands import command_parser
 from hpsft.data.preparation import default_num_proc
 from hpsft.data.prepare_files import kept_rows, report_text, split_rows, write, write_store
 from hpsft.data.rows import TokenizeOptions, chat_template_text
@@ -98,8 +98,7 @@ def prepare_files(args) -> dict:
 
 @exits_2_on_user_error
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hpsft prepare-data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("hpsft prepare-data", __doc__)
     parser.add_argument("inputs", nargs="*", type=Path,
                         help="data files or datasets folders (none: the packaged corpora)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (train.parquet, val.parquet, "

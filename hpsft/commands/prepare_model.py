@@ -19,18 +19,17 @@ interrupted run never leaves a folder that looks complete. Without a source, the
 model is converted once and cached: a complete --out folder is kept as it is.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
+from hpsft.commands import command_parser
 from hpsft.models.conversion import convert, packaged
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
 
 @exits_2_on_user_error
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hpsft prepare-model", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("hpsft prepare-model", __doc__)
     parser.add_argument("source", nargs="?", type=Path, default=None,
                         help="a .gguf file or a Hugging Face model folder (none: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--out", required=True, type=Path, help="output Hugging Face folder")

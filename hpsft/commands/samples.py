@@ -9,11 +9,11 @@ conversations of --prompts (default: the run's first validation file), shown wit
 reply the data holds. Greedy decoding: the same files every time.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from hpsft.commands import command_parser
 from hpsft.config import load_config
 from hpsft.data.rows import TokenizeOptions, read_rows, row_to_messages
 from hpsft.models.generation import generate_replies, load_for_generation, model_folder
@@ -43,8 +43,7 @@ def replies_of(folder: Path, prompts: list[str], max_new_tokens: int, trust_remo
 
 @exits_2_on_user_error
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hpsft samples", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("hpsft samples", __doc__)
     parser.add_argument("run_dir", type=Path, help="a run directory with config.yaml and an exported hf/")
     parser.add_argument("--prompts", type=Path, default=None, help="a chat data file (default: the run's val file)")
     parser.add_argument("--n", type=int, default=4, help="prompts (default 4)")

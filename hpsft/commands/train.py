@@ -8,13 +8,14 @@ import os
 import sys
 import traceback
 
+from hpsft.commands import command_parser
 from hpsft.config import load_config
 from hpsft.utils.errors import PREEMPTED_EXIT_CODE, Preempted, UserInputError, report_user_error
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="python -m hpsft.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = command_parser(
+        "python -m hpsft.train", __doc__,
         epilog="examples:\n"
                "  python -m hpsft.train --config configs/sft.yaml trainer.total_steps=100 optim.lr=1e-4\n"
                "  torchrun --nproc_per_node 2 -m hpsft.train --config configs/sft.yaml engine.zero_stage=3\n"
