@@ -3,8 +3,8 @@
     hpsft train --config configs/sft.yaml key=value ...      SPMD training (alone, torchrun, deepspeed, srun)
     hpsft <subcommand> --help                                its options, with an example
 
-Each subcommand is a module's own command line (`hpsft train` is `python -m hpsft.train`),
-imported only when chosen: `hpsft --help` stays quick and needs none of the optional extras.
+Each subcommand is a module of hpsft/commands/ with its own command line (`hpsft train` is
+`python -m hpsft.train`, a shim of hpsft/commands/train.py), imported only when chosen: `hpsft --help` stays quick and needs none of the optional extras.
 """
 
 import importlib
@@ -12,15 +12,15 @@ import sys
 
 # name -> (module whose main(argv) runs it, what it does)
 SUBCOMMANDS = {
-    "train": ("hpsft.train", "train, SPMD: one process per rank (alone, torchrun, deepspeed, srun)"),
-    "train-ray": ("hpsft.train_ray", "train with a driver and a Ray worker group (needs hpsft[ray])"),
-    "export": ("hpsft.export", "any checkpoint -> a Hugging Face model folder"),
-    "inspect-data": ("hpsft.inspect_data", "show what a config trains on: loss mask, lengths, refused rows"),
-    "generate": ("hpsft.generate", "sample replies from a model folder or a run's export"),
-    "samples": ("hpsft.samples", "a run's replies before and after training, on held-out prompts"),
-    "plot": ("hpsft.plot", "a run's metrics -> PNG charts (needs hpsft[plot])"),
-    "prepare-data": ("hpsft.prepare_data", "chat data (yours, or the packaged corpora) -> parquet + a report"),
-    "prepare-model": ("hpsft.prepare_model", "a GGUF file or HF folder (or the packaged model) -> a checked HF folder"),
+    "train": ("hpsft.commands.train", "train, SPMD: one process per rank (alone, torchrun, deepspeed, srun)"),
+    "train-ray": ("hpsft.commands.train_ray", "train with a driver and a Ray worker group (needs hpsft[ray])"),
+    "export": ("hpsft.commands.export", "any checkpoint -> a Hugging Face model folder"),
+    "inspect-data": ("hpsft.commands.inspect_data", "show what a config trains on: loss mask, lengths, refused rows"),
+    "generate": ("hpsft.commands.generate", "sample replies from a model folder or a run's export"),
+    "samples": ("hpsft.commands.samples", "a run's replies before and after training, on held-out prompts"),
+    "plot": ("hpsft.commands.plot", "a run's metrics -> PNG charts (needs hpsft[plot])"),
+    "prepare-data": ("hpsft.commands.prepare_data", "chat data (yours, or the packaged corpora) -> parquet + a report"),
+    "prepare-model": ("hpsft.commands.prepare_model", "a GGUF file or HF folder (or the packaged model) -> a checked HF folder"),
 }
 
 

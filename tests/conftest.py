@@ -168,7 +168,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """SmolLM2-135M-Instruct cut to 2 layers (built from the packaged GGUF if missing)."""
-    from hpsft.prepare_model import packaged
+    from hpsft.models.conversion import packaged
 
     return str(packaged(TEST_MODEL, num_layers=2, full_dir=FULL_MODEL))
 

@@ -63,7 +63,7 @@ def test_inspect_data_shows_the_split_sequences_and_the_counts(tmp_path, model_p
     data.max_length, the marked runs of a row's sequences are its assistant turns, each once
     (but the counted dropped ones), and the counts line adds up to the rows over the limit."""
     from hpsft.assets.chat_corpora import sharegpt_conversations
-    from hpsft.inspect_data import main as inspect_data
+    from hpsft.commands.inspect_data import main as inspect_data
 
     rows = sharegpt_conversations(12)
     train = write_parquet([{"messages": c} for c in rows], tmp_path / "train.parquet")

@@ -12,6 +12,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from tests.numerics import relative_error
 from hpsft.data.batch import collate_jagged, packed_row
 from hpsft.models import PackedCausalLM, UnsupportedModel, check_supported, verify_packed_training
 from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
@@ -110,12 +111,6 @@ def reference_loss(model, samples, n_tokens: int) -> tuple[torch.Tensor, torch.T
         ids[r, : len(s["input_ids"])], attention_mask[r, : len(s["input_ids"])] = s["input_ids"], 1
     aux = model(input_ids=ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True).aux_loss
     return nll + model.config.router_aux_loss_coef * aux, aux
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||: the reference and hpsft sum in different orders, so each element
-    carries fp32 rounding of the whole tensor's scale."""
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

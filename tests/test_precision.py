@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet
+from tests.numerics import relative_error
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "capture_step_grads.py")
 LENGTHS = [40, 25, 60, 33, 48, 20, 55, 30]
@@ -88,14 +89,6 @@ def bf16_rows_references(tiny_chat_model, sequences):
     return reference
 
 
-def rel_error(grads: dict, reference: dict) -> float:
-    """||grads - reference|| / ||reference|| over all parameters together."""
-    assert grads.keys() == reference.keys()
-    diff = sum(float((grads[k].double() - reference[k]).square().sum()) for k in grads)
-    norm = sum(float(reference[k].double().square().sum()) for k in grads)
-    return (diff / norm) ** 0.5
-
-
 # Stage 1 runs DeepSpeed's BF16_Optimizer, stage 2 its ZeRO-1/2 optimizer, stage 3 its
 # ZeRO-3 one (here with both offloads). Stage 1/2 with offload_optimizer and stage 3
 # without offload gave the same figures when checked by hand (docs/precision.md).
@@ -129,10 +122,10 @@ def test_bf16_step_accumulates_and_reduces_gradients_in_fp32(fp32_reference, bf1
     figures = {}  # all measured first: a failure shows every one
     for k, step in steps.items():
         figures[f"loss vs fp32, {k} mb"] = abs(step["loss"] - fp32_loss) / fp32_loss
-        figures[f"grad vs fp32, {k} mb"] = rel_error(step["grads"], fp32_grads)
-        figures[f"grad vs fp64 sum of bf16 rows, {k} mb"] = rel_error(step["grads"],
-                                                                      bf16_rows_references(k, step["rows"]))
-    figures["grad 1 vs 4 mb"] = rel_error(steps[4]["grads"], {k: g.double() for k, g in steps[1]["grads"].items()})
+        figures[f"grad vs fp32, {k} mb"] = relative_error(step["grads"], fp32_grads)
+        figures[f"grad vs fp64 sum of bf16 rows, {k} mb"] = relative_error(step["grads"],
+                                                                           bf16_rows_references(k, step["rows"]))
+    figures["grad 1 vs 4 mb"] = relative_error(steps[4]["grads"], {k: g.double() for k, g in steps[1]["grads"].items()})
     shown = "; ".join(f"{name} {value:.2e}" for name, value in figures.items())
     print(f"\n{engine}: {shown}")
     for k, step in steps.items():

@@ -14,8 +14,8 @@ import torch
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.preparation import prepared_store
 from hpsft.data.rows import TokenizeOptions, read_rows
-from hpsft.prepare_data import main as prepare_data
-from hpsft.prepare_model import main as prepare_model
+from hpsft.commands.prepare_data import main as prepare_data
+from hpsft.commands.prepare_model import main as prepare_model
 from tests.conftest import columns, write_jsonl, write_parquet
 from tests.test_chat_data import spans
 

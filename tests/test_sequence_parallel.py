@@ -19,6 +19,7 @@ from hpsft.utils.errors import UserInputError
 from hpsft.models.ulysses_attention import check_heads
 from tests.conftest import (REPO, assert_same_steps, base_overrides, chat_parquet, ray_env, read_metrics, rel_diff, run_cli,
                             train_steps)
+from tests.numerics import relative_error
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "sequence_parallel_steps.py")
 VOCAB = 512
@@ -122,7 +123,7 @@ def test_tiled_mlps_give_the_untiled_gradients_in_tiles(tmp_path):
     (loss, grads, calls), (tiled_loss, tiled_grads, tiled_calls) = results
     # ceil(57 / 8) = 8 tiles, as even as possible; run in the forward, then recomputed in the backward.
     assert calls == [57] and tiled_calls == ([8] + [7] * 7) * 2
-    assert abs(tiled_loss - loss) <= 1e-6 * abs(loss) and rel_error(tiled_grads, grads) < 1e-6
+    assert abs(tiled_loss - loss) <= 1e-6 * abs(loss) and relative_error(tiled_grads, grads) < 1e-6
 
 
 def one_process_step(model_path: str, samples: list[dict], rows: list[list[int]]) -> tuple[float, dict]:
@@ -139,12 +140,6 @@ def one_process_step(model_path: str, samples: list[dict], rows: list[list[int]]
         (out["loss"] / total).backward()
         loss += float(out["nll"]) / total
     return loss, {k: p.grad.clone() for k, p in model.named_parameters()}
-
-
-def rel_error(grads: dict, reference: dict) -> float:
-    assert grads.keys() == reference.keys()
-    diff = sum(float((grads[k].double() - reference[k].double()).square().sum()) for k in grads)
-    return (diff / sum(float(reference[k].double().square().sum()) for k in grads)) ** 0.5
 
 
 @pytest.mark.slow
@@ -190,7 +185,7 @@ def test_sp2_trains_as_sp1_under_every_zero_stage(tmp_path):
         loss, grads = references[layout["model"]]
         run = runs[layout["name"]]
         figures[f"{layout['name']}: step-1 loss vs one process"] = abs(run["losses"][0] - loss) / loss
-        figures[f"{layout['name']}: step-1 grads vs one process"] = rel_error(run["grads"], grads)
+        figures[f"{layout['name']}: step-1 grads vs one process"] = relative_error(run["grads"], grads)
     for layout in layouts:  # of the same model (the one-KV-head model is another)
         if layout["model"] == gqa and layout["name"] != "zero2 dp2":
             figures[f"{layout['name']}: step-2 loss vs zero2 dp2"] = abs(

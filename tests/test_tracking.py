@@ -11,7 +11,7 @@ from tqdm import tqdm
 from hpsft.config import ConfigError, load_config
 from hpsft.utils.errors import UserInputError
 from hpsft.utils.progress import step_postfix
-from hpsft.utils.tracking import check_trackers_available
+from hpsft.trainer.tracking import check_trackers_available
 from tests.conftest import base_overrides, run_cli, write_parquet
 from tests.tracking_files import (assert_holds_the_jsonl_scalars, only_run_log, profiled_steps, wandb_offline_env,
                                   wandb_records)

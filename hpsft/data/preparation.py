@@ -119,6 +119,14 @@ def init_worker(tokenizer, opts: TokenizeOptions) -> None:
     WORKER_STATE.update(tokenizer=tokenizer, opts=opts)
 
 
+def worker_pool(workers: int, tokenizer, opts: TokenizeOptions):
+    """`workers` processes tokenizing with these options (WORKER_STATE set by init_worker):
+    the data stage's shards here, prepare-data's rows (data/prepare_files.py). forkserver:
+    workers start from a clean process, not a fork of this one (its threads, e.g.
+    torch.distributed's, would be copied mid-state)."""
+    return multiprocessing.get_context("forkserver").Pool(workers, init_worker, (tokenizer, opts))
+
+
 def prepare_shard(job: ShardJob) -> dict:
     """Tokenize one shard into its Arrow file, then write its sidecar; returns the sidecar.
     Rows go through rows_sequences ROWS_PER_CALL at a time (one tokenizer call for all)."""
@@ -234,11 +242,8 @@ class LocalRunner:
             for job in jobs:
                 done(prepare_shard(job))
             return
-        # forkserver: workers start from a clean process, not a fork of this one (its threads,
-        # e.g. torch.distributed's, would be copied mid-state).
-        context = multiprocessing.get_context("forkserver")
         todo, running = list(reversed(jobs)), []
-        with context.Pool(workers, init_worker, (tokenizer, opts)) as pool:
+        with worker_pool(workers, tokenizer, opts) as pool:
             while todo or running:
                 for result in [r for r in running if r.ready()]:
                     running.remove(result)

@@ -216,6 +216,97 @@ def turn_token_bounds(whole: EncodedConversation, starts: list[int]) -> list[int
     return bounds + [whole.tokens_before(len(body))]
 
 
+@dataclass(frozen=True)
+class TurnLayout:
+    """Where each turn of a conversation's whole rendering starts: in messages (starts) and in
+    tokens (bounds, turn_token_bounds), and the tokens of the rendering's closing."""
+
+    messages: list[dict]
+    starts: list[int]
+    bounds: list[int]
+    closing_tokens: int
+
+    @classmethod
+    def of(cls, messages: list[dict], whole: EncodedConversation) -> "TurnLayout":
+        starts = turn_starts(messages)
+        bounds = turn_token_bounds(whole, starts)
+        return cls(messages, starts, bounds, len(whole.input_ids) - bounds[-1])
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.starts)
+
+    def cost(self, first: int, last: int) -> int:
+        """Tokens of the leading system messages and turns first..last, as in the whole rendering."""
+        return self.bounds[0] + self.bounds[last + 1] - self.bounds[first] + self.closing_tokens
+
+    def trained(self, t: int) -> int:
+        """The supervised assistant turns in turn t."""
+        end = self.starts[t + 1] if t + 1 < self.n_turns else len(self.messages)
+        return sum(map(is_supervised, self.messages[self.starts[t]:end]))
+
+
+def fitted_window(encode, turns: TurnLayout, first: int, j: int, max_length: int,
+                  history: bool) -> tuple[EncodedConversation | None, int]:
+    """From turn j (supervised), as many turns as fit within max_length after turns first..j-1;
+    with `history`, then as many turns before j as fit too (context only). Encoded by `encode`
+    and, where the estimate from the whole rendering was short (a system prompt the template
+    writes again for a conversation that opens later, tokens merging across a cut), shrunk:
+    less history, then fewer turns. (the conversation or None when turn j cannot fit, its last turn)."""
+    if turns.cost(first, j) > max_length:
+        return None, j
+    last = j
+    while last + 1 < turns.n_turns and turns.cost(first, last + 1) <= max_length:
+        last += 1
+    while not turns.trained(last):
+        last -= 1
+    while history and first > 0 and turns.cost(first - 1, last) <= max_length:
+        first -= 1
+    conversation = encode(sub_conversation(turns.messages, turns.starts, first, j, last))
+    while len(conversation.input_ids) > max_length:
+        excess = len(conversation.input_ids) - max_length
+        if history and first < j:
+            while first < j and excess > 0:
+                excess -= turns.bounds[first + 1] - turns.bounds[first]
+                first += 1
+        elif last > j:
+            last -= 1
+            while not turns.trained(last):
+                last -= 1
+        else:
+            return None, j
+        conversation = encode(sub_conversation(turns.messages, turns.starts, first, j, last))
+    return conversation, last
+
+
+def leading_turns(encode, turns: TurnLayout, max_length: int) -> tuple[list[EncodedConversation], int]:
+    """data.truncation=turns: one conversation of the leading turns, up to the last supervised
+    turn that fits; (it, or none, and the supervised turns left out)."""
+    j = next((t for t in range(turns.n_turns) if turns.trained(t)), turns.n_turns)
+    conversation, last = (None, j) if j == turns.n_turns else fitted_window(encode, turns, 0, j, max_length, False)
+    kept_to = last + 1 if conversation is not None else j
+    return [conversation] if conversation is not None else [], sum(map(turns.trained, range(kept_to, turns.n_turns)))
+
+
+def split_turns(encode, turns: TurnLayout, max_length: int) -> tuple[list[EncodedConversation], int]:
+    """data.truncation=split: conversations covering every supervised turn that fits with its own
+    turn, each with as much history before it as fits (context only); (them, the supervised
+    turns left out)."""
+    conversations, dropped_turns, j = [], 0, 0
+    while j < turns.n_turns:  # j: the first turn with supervised turns that no sequence holds yet
+        if not turns.trained(j):
+            j += 1
+            continue
+        conversation, last = fitted_window(encode, turns, j, j, max_length, True)
+        if conversation is None:
+            dropped_turns += turns.trained(j)
+            j += 1
+            continue
+        conversations.append(conversation)
+        j = last + 1
+    return conversations, dropped_turns
+
+
 def whole_conversation(encode, messages: list[dict], whole: EncodedConversation,
                        opts: TokenizeOptions) -> RowConversations:
     """The conversation as one sequence (`whole`); over data.max_length under turns or split,
@@ -225,69 +316,8 @@ def whole_conversation(encode, messages: list[dict], whole: EncodedConversation,
     counts = Counter(over_max_length_rows=1)
     if opts.truncation not in TURN_POLICIES:
         return RowConversations([whole], counts=counts)
-    starts = turn_starts(messages)
-    n_turns = len(starts)
-    bounds = turn_token_bounds(whole, starts)
-    closing_tokens = len(whole.input_ids) - bounds[-1]
-
-    def cost(first: int, last: int) -> int:
-        """Tokens of the leading system messages and turns first..last, as in the whole rendering."""
-        return bounds[0] + bounds[last + 1] - bounds[first] + closing_tokens
-
-    def trained(t: int) -> int:
-        """The supervised assistant turns in turn t."""
-        end = starts[t + 1] if t + 1 < n_turns else len(messages)
-        return sum(map(is_supervised, messages[starts[t]:end]))
-
-    conversations, dropped_turns, j = [], 0, 0
-    while j < n_turns:  # j: the first turn with supervised turns that no sequence holds yet
-        if not trained(j):
-            j += 1
-            continue
-        # From turn j, as many turns as fit; then (split) as much history before it as fits.
-        # turns: the leading turns, from the first, once.
-        first = 0 if opts.truncation == "turns" else j
-        if cost(first, j) > opts.max_length:
-            if opts.truncation == "turns":
-                break
-            dropped_turns += trained(j)
-            j += 1
-            continue
-        last = j
-        while last + 1 < n_turns and cost(first, last + 1) <= opts.max_length:
-            last += 1
-        while not trained(last):
-            last -= 1
-        while first > 0 and cost(first - 1, last) <= opts.max_length:
-            first -= 1
-        conversation = encode(sub_conversation(messages, starts, first, j, last))
-        while len(conversation.input_ids) > opts.max_length:
-            # The estimate was short (a system prompt the template writes again for a
-            # conversation that opens later, tokens merging across a cut): less history, then fewer turns.
-            excess = len(conversation.input_ids) - opts.max_length
-            if first < j and opts.truncation == "split":
-                while first < j and excess > 0:
-                    excess -= bounds[first + 1] - bounds[first]
-                    first += 1
-            elif last > j:
-                last -= 1
-                while not trained(last):
-                    last -= 1
-            else:
-                conversation = None
-                break
-            conversation = encode(sub_conversation(messages, starts, first, j, last))
-        if conversation is None:
-            if opts.truncation == "turns":
-                break
-            dropped_turns += trained(j)
-            j += 1
-            continue
-        conversations.append(conversation)
-        j = last + 1
-        if opts.truncation == "turns":
-            break
-    dropped_turns += sum(trained(t) for t in range(j, n_turns))
+    policy = leading_turns if opts.truncation == "turns" else split_turns
+    conversations, dropped_turns = policy(encode, TurnLayout.of(messages, whole), opts.max_length)
     return counted(RowConversations(conversations, counts=counts), dropped_turns, opts)
 
 

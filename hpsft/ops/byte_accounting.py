@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hpsft.ops import varlen_targets
+from hpsft.ops.chunk_rows import liger_chunk_rows
 from hpsft.ops.live_bytes import LiveBytes
 from hpsft.ops.varlen_cross_entropy import linear_cross_entropy_of_targets
 from hpsft.ops.vocab_parallel import vocab_shard
@@ -135,13 +136,6 @@ def account_hpsft(tokens, hidden_size, vocab_size, dtype=torch.bfloat16, *, seq_
         out.loss.backward()
         del out, on_device  # what the step leaves behind is its gradients
     return Accounted(count.peak, count.at_peak)
-
-
-def liger_chunk_rows(tokens: int, hidden_size: int, vocab_size: int) -> int:
-    """Rows of Liger's logits chunk: a chunk of at most about tokens x hidden elements."""
-    increase = -(-vocab_size // hidden_size)
-    rows = -(-tokens // increase)
-    return min(1 << (rows - 1).bit_length(), tokens)
 
 
 def liger_fused_linear_cross_entropy_allocations(hidden, weight, labels):

@@ -25,7 +25,7 @@ from hpsft.engine import engine_class
 from hpsft.utils.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.utils.progress import progress_bar, step_postfix
-from hpsft.utils.tracking import Tracker, check_trackers_available
+from hpsft.trainer.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
 from hpsft.trainer.fingerprint import differences, run_fingerprint
 from hpsft.trainer.nonfinite import SkippedSteps

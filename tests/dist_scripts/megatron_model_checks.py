@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.megatron_models import PACKED_ROWS, hf_reference, tiny_config  # noqa: E402
+from tests.numerics import relative_error  # noqa: E402
 
 from hpsft.data.batch import IGNORE_INDEX, collate_jagged, packed_row, shifted_labels  # noqa: E402
 from hpsft.engine.megatron import convert  # noqa: E402
@@ -41,10 +42,6 @@ from hpsft.ops import varlen_linear_cross_entropy  # noqa: E402
 from hpsft.ops.vocab_parallel import sum_grad_over_tp  # noqa: E402
 
 warnings.filterwarnings("ignore")
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def loss_of_hidden(model, labels, n_tokens: int, router_logits, hidden):

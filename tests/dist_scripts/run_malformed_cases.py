@@ -77,7 +77,7 @@ def output_dir(argv: list[str]) -> Path:
 
 
 def run_case(case: dict, model: Path, scratch: Path) -> dict:
-    from hpsft.train import main
+    from hpsft.commands.train import main
 
     tmp = scratch / case["id"]
     tmp.mkdir(parents=True)
