@@ -23,7 +23,7 @@ from hpsft.data.microbatch import first_fit_decreasing, min_micro_batches, plan_
 from hpsft.data.row_sequences import row_sequences
 from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sequence_split import padded_length, real_tokens, slice_bounds
-from hpsft.data.shards import parquet_shards
+from hpsft.data.shards import jsonl_shards, parquet_shards
 from hpsft.data.sources import SourcedDataset
 from hpsft.data.token_store import ShardWriter, TokenStore
 from hpsft.engine.optimizer import lr_scheduler
@@ -249,6 +249,24 @@ def test_warmup_is_the_ratio_of_the_steps_even_where_the_float_product_falls_sho
 
 
 # ---- shard sizes: data.shard_mb and the export's max_shard_mb ------------------------------
+
+
+def test_jsonl_shards_of_exactly_whole_lines_end_at_the_line(tmp_path):
+    """Lines of 9 bytes, shard_bytes = 9: one line a shard (the smallest line boundary at or past
+    shard_bytes); 8: still one line; 10: two lines; shards tile the file and start at newlines.
+    Found by this test: a target falling exactly on a line start read the next line too (18-byte
+    shards for shard_bytes=9; fixed: the line holding the shard's last byte ends it). Planted
+    back (seek to start + shard_bytes): shard_bytes=9 gave [(0, 18), (18, 36)]."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"a": 1}\n' * 4)
+    starts = [i + 1 for i, byte in enumerate(path.read_bytes()) if byte == ord("\n")]
+    for shard_bytes, lines in ((8, 1), (9, 1), (10, 2), (36, 4), (37, 4)):
+        shards = jsonl_shards(path, shard_bytes)
+        bounds = [(s.start, s.stop) for s in shards]
+        expected = [(9 * i, min(9 * (i + lines), 36)) for i in range(0, 4, lines)]
+        assert bounds == expected, shard_bytes
+        assert all(stop in starts for _, stop in bounds)
+        assert [s.first_row for s in shards] == [start // 9 for start, _ in bounds]
 
 
 def test_parquet_shards_of_exactly_a_multiple_of_the_rows_bytes(tmp_path, chat_rows):
