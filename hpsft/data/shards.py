@@ -94,15 +94,17 @@ def parquet_shards(path: Path, shard_bytes: int) -> list[Shard]:
 
 def jsonl_shards(path: Path, shard_bytes: int) -> list[Shard]:
     """Byte ranges of about shard_bytes, each ending after a newline (or at the end of the
-    file), with the number of lines before each: every byte is read once."""
+    file): the smallest line boundary at or past start + shard_bytes, so that lines filling
+    shard_bytes exactly make a shard of their own (as parquet's rows do). With the number of
+    lines before each: every byte is read once."""
     size = path.stat().st_size
     shards, start, lines_before = [], 0, 0
     with open(path, "rb") as f:
         while start < size:
             stop = size
             if start + shard_bytes < size:
-                f.seek(start + shard_bytes)
-                f.readline()  # on to the end of the line the target falls in
+                f.seek(start + shard_bytes - 1)
+                f.readline()  # on to the end of the line holding the shard's last byte
                 stop = f.tell()
             shards.append(Shard(str(path), "jsonl", start, stop, lines_before, stop - start))
             f.seek(start)
