@@ -11,6 +11,6 @@ def relative_error(result, reference) -> float:
     if isinstance(result, torch.Tensor):
         result, reference = {"": result}, {"": reference}
     assert result.keys() == reference.keys(), sorted(set(result) ^ set(reference))
-    diff = sum(float((result[k].double() - reference[k].double()).square().sum()) for k in result)
-    norm = sum(float(reference[k].double().square().sum()) for k in result)
+    diff = sum(float((result[k].detach().double() - reference[k].detach().double()).square().sum()) for k in result)
+    norm = sum(float(reference[k].detach().double().square().sum()) for k in result)
     return (diff / max(norm, 1e-60)) ** 0.5
