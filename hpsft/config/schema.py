@@ -259,6 +259,8 @@ class EngineConfig:
             check_positive("engine", f"{size}_parallel_size", getattr(self, f"{size}_parallel_size"))
         if self.name == "deepspeed":
             self.check_deepspeed_parallelism()
+        if self.name == "megatron":
+            self.check_megatron_options()
         check_choice("engine", "dtype", self.dtype, {"float32", "bfloat16"})
         check_positive("engine", "collective_timeout_s", self.collective_timeout_s)
         if self.offload_params and self.zero_stage != 3:
@@ -271,6 +273,17 @@ class EngineConfig:
             raise ValueError("engine.dtype=bfloat16 needs engine.zero_stage >= 1: without ZeRO, DeepSpeed "
                              "accumulates and all-reduces bf16 gradients in bf16, not fp32 "
                              "(engine.zero_stage=1 keeps the same bf16 weights on every rank)")
+
+    def check_megatron_options(self):
+        """What the Megatron engine refuses: sequence parallelism (Ulysses is the DeepSpeed
+        engine's; Megatron's context parallelism is not wired) and ZeRO's offload keys."""
+        if self.sequence_parallel_size > 1:
+            raise ValueError(f"engine.sequence_parallel_size={self.sequence_parallel_size}: engine.name=megatron has "
+                             "no sequence parallelism; use engine.sequence_parallel_size=1 (or engine.name=deepspeed)")
+        for key in ("offload_optimizer", "offload_params"):
+            if getattr(self, key):
+                raise ValueError(f"engine.{key}=true is DeepSpeed's ZeRO-Offload: engine.name=megatron has none; "
+                                 f"use engine.{key}=false")
 
     def check_deepspeed_parallelism(self):
         """What the DeepSpeed engine refuses of a layout: pipeline or expert parallelism (DeepSpeed's
@@ -418,6 +431,11 @@ class SFTConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
+        if self.engine.name == "megatron":
+            for key, value in (("model.lora.rank", self.model.lora.rank), ("model.tiled_mlp_tokens", self.model.tiled_mlp_tokens)):
+                if value:
+                    raise ValueError(f"{key}={value} with engine.name=megatron: not on the Megatron engine yet; "
+                                     "use engine.name=deepspeed")
         tp = self.engine.tensor_parallel_size
         if tp > 1 and self.model.lora.rank:
             # AutoTP would shard the base layers PEFT wraps: not shown exact, so not run.

@@ -6,10 +6,12 @@ from pathlib import Path
 
 from hpsft.engine.base import TrainEngine
 from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.engine.megatron.engine import MegatronEngine
 from hpsft.utils.distributed import Mesh
 from hpsft.utils.errors import UserInputError
 
-ENGINES: dict[str, type[TrainEngine]] = {"deepspeed": DeepSpeedEngine}
+# megatron-core is imported by the Megatron engine's methods, not by this import.
+ENGINES: dict[str, type[TrainEngine]] = {"deepspeed": DeepSpeedEngine, "megatron": MegatronEngine}
 
 
 def engine_class(name: str) -> type[TrainEngine]:

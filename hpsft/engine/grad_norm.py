@@ -12,6 +12,13 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     costs ~25x more here. Norms of 4096-element blocks are exact to fp32 rounding (2e-9
     relative on that tensor, same time) and are summed in fp64. The result is fp32, as the
     clip factor and the metric are."""
+    return square_sum(grads).sqrt().float()
+
+
+def square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of all gradients' elements, fp64 (0-d, on the gradients' device),
+    computed as global_grad_norm says: a sum that can be all-reduced over the ranks holding
+    the other parts before the square root (the Megatron engine's sharded gradients)."""
     squares = []
     for grad in grads:
         flat = grad.detach().reshape(-1)
@@ -21,4 +28,4 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             squares.append(blocks.double().square().sum())
         if whole < flat.numel():
             squares.append(torch.linalg.vector_norm(flat[whole:]).double().square())
-    return torch.stack(squares).sum().sqrt().float() if squares else torch.zeros(())
+    return torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)

@@ -21,13 +21,17 @@ def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: 
     return factor
 
 
-def lr_scheduler(optimizer: torch.optim.Optimizer, optim_config, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """optim.lr_scheduler over `total_steps`, the first optim.warmup_ratio of them warming up."""
+def warmup_steps(optim_config, total_steps: int) -> int:
+    """The first optim.warmup_ratio of `total_steps` (every engine's warmup)."""
     # Rounded before the floor: in floats 0.29 * 100 is 28.999999999999996, and a user who asks
     # for 29% of 100 steps means 29.
-    warmup = math.floor(round(optim_config.warmup_ratio * total_steps, 9))
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(total_steps, warmup, optim_config.lr_scheduler, optim_config.min_lr_ratio))
+    return math.floor(round(optim_config.warmup_ratio * total_steps, 9))
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, optim_config, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """optim.lr_scheduler over `total_steps`, the first optim.warmup_ratio of them warming up."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(
+        total_steps, warmup_steps(optim_config, total_steps), optim_config.lr_scheduler, optim_config.min_lr_ratio))
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:

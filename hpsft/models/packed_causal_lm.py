@@ -162,20 +162,11 @@ class PackedCausalLM(nn.Module):
         hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets, max_length)
         out = self.token_losses(hidden, labels, "none" if per_sequence else "sum", loss_grad_scale, head_grad_into)
         if per_sequence:
-            nll, n_tokens = per_sequence_sums(out.logprobs, labels, offsets, slice_start)
-            return {"nll": nll, "n_tokens": n_tokens}
-        by_sequence = {}
-        if sequence_nll:
-            nll, n_tokens = per_sequence_sums(out.logprobs.detach(), labels, offsets, slice_start)
-            by_sequence = {"sequence_nll": nll, "sequence_tokens": n_tokens}
-        loss = out.loss
-        aux = loss.new_zeros(())
-        if router_logits is not None:
-            aux = self.router_aux_loss(router_logits)
-            loss = loss + self.output_side.router_aux_loss_coef * aux * out.n_tokens
+            return row_terms(out, labels, offsets, slice_start, per_sequence=True)
+        aux = self.router_aux_loss(router_logits) if router_logits is not None else None
         correct = self.count_correct(hidden, labels) if self.token_accuracy else -1
-        return {"loss": loss, "nll": -out.logprobs.sum(), "n_tokens": out.n_tokens, "z_loss": out.z_loss,
-                "router_aux_loss": aux.detach(), "correct": torch.as_tensor(correct), **by_sequence}
+        return row_terms(out, labels, offsets, slice_start, sequence_nll=sequence_nll, router_aux_loss=aux,
+                         router_aux_loss_coef=self.output_side.router_aux_loss_coef, correct=correct)
 
     @torch.no_grad()
     def count_correct(self, hidden, labels, chunk: int = 2048) -> int:
@@ -200,6 +191,29 @@ class PackedCausalLM(nn.Module):
         logits = self.lm.get_output_embeddings()(self.hidden_states(input_ids, position_ids, offsets)[0])
         softcap = self.output_side.softcap
         return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def row_terms(out, labels, offsets, slice_start: int = 0, per_sequence: bool = False, sequence_nll: bool = False,
+              router_aux_loss: torch.Tensor | None = None, router_aux_loss_coef: float = 0.0, correct=-1) -> dict:
+    """PackedCausalLM.forward's dict of a row's loss terms from the fused op's output `out` (its
+    loss and per-row log-probabilities: reduction "sum", or "none" with per_sequence), the row's
+    labels and sequence boundaries; the family's router loss of the row (MoE) is added to the
+    objective as router_aux_loss_coef x router_aux_loss x the row's loss tokens. Every engine's
+    module returns these (the Megatron engine from its vocabulary-parallel loss)."""
+    if per_sequence:
+        nll, n_tokens = per_sequence_sums(out.logprobs, labels, offsets, slice_start)
+        return {"nll": nll, "n_tokens": n_tokens}
+    by_sequence = {}
+    if sequence_nll:
+        nll, n_tokens = per_sequence_sums(out.logprobs.detach(), labels, offsets, slice_start)
+        by_sequence = {"sequence_nll": nll, "sequence_tokens": n_tokens}
+    loss = out.loss
+    aux = loss.new_zeros(())
+    if router_aux_loss is not None:
+        aux = router_aux_loss
+        loss = loss + router_aux_loss_coef * aux * out.n_tokens
+    return {"loss": loss, "nll": -out.logprobs.sum(), "n_tokens": out.n_tokens, "z_loss": out.z_loss,
+            "router_aux_loss": aux.detach(), "correct": torch.as_tensor(correct), **by_sequence}
 
 
 def per_sequence_sums(logprobs, labels, offsets, slice_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,36 @@ def apply() -> None:
         cls.__init__ = with_cuda_assumptions_on_cpu(cls.__init__)
     for cls in (MixedPrecisionOptimizer, FP32Optimizer, ChainedOptimizer):
         cls.step = with_cuda_assumptions_on_cpu(cls.step)
+    # The Megatron engine runs ChainedOptimizer.step's parts itself (engine.py: a non-finite
+    # gradient norm skips the step): each under the same mode.
+    for name in ("prepare_grads", "get_grad_norm", "step_with_ready_grads"):
+        setattr(ChainedOptimizer, name, with_cuda_assumptions_on_cpu(getattr(ChainedOptimizer, name)))
+
+    # Without Apex or Transformer Engine the optimizers' gradient norm is torch.norm of each
+    # fp32 gradient, which on the CPU is a long running sum (hpsft/engine/grad_norm.py): 2.1e-5
+    # relative off on the tiny tied Llama of the engine tests, beyond what the comparison with
+    # the DeepSpeed engine allows. The same norm as hpsft's, blockwise in fp64.
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    optimizer_module.get_grad_norm_fp32 = accurate_grad_norm_fp32(optimizer_module.get_grad_norm_fp32)
+
+
+def accurate_grad_norm_fp32(megatron_norm):
+    """Megatron's get_grad_norm_fp32(grads, norm_type, grad_stats_parallel_group) with the 2-norm's
+    sum of squares taken as hpsft's global_grad_norm takes it, all-reduced in fp64."""
+    import torch.distributed as dist
+
+    from hpsft.engine.grad_norm import square_sum
+
+    @functools.wraps(megatron_norm)
+    def norm(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        if float(norm_type) != 2.0:
+            return megatron_norm(grads_for_norm, norm_type, grad_stats_parallel_group)
+        grads = [grads_for_norm] if torch.is_tensor(grads_for_norm) else list(grads_for_norm)
+        total = square_sum(grads)
+        dist.all_reduce(total, group=grad_stats_parallel_group)
+        return float(total.sqrt())
+    return norm
 
 
 class CpuStream:
