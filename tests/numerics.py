@@ -14,3 +14,15 @@ def relative_error(result, reference) -> float:
     diff = sum(float((result[k].detach().double() - reference[k].detach().double()).square().sum()) for k in result)
     norm = sum(float(reference[k].detach().double().square().sum()) for k in result)
     return (diff / max(norm, 1e-60)) ** 0.5
+
+
+def adamw_fp64_step(param, grad, moments, t, lr, betas, eps, weight_decay) -> None:
+    """One step t (from 1) of Loshchilov & Hutter's AdamW in place on an fp64 `param`: decoupled
+    decay, then the bias-corrected moments `moments` = (m, v), updated in place."""
+    m, v = moments
+    grad = grad.double()
+    param.mul_(1 - lr * weight_decay)
+    m.mul_(betas[0]).add_((1 - betas[0]) * grad)
+    v.mul_(betas[1]).add_((1 - betas[1]) * grad * grad)
+    m_hat, v_hat = m / (1 - betas[0] ** t), v / (1 - betas[1] ** t)
+    param.sub_(lr * m_hat / (v_hat.sqrt() + eps))

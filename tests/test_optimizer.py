@@ -10,21 +10,16 @@ from hpsft.engine.deepspeed.config import GPU_ZERO_COMMUNICATION
 from hpsft.engine.grad_norm import global_grad_norm
 from hpsft.utils.distributed import Mesh
 from tests.conftest import REPO, run_cli, write_tiny_llama
+from tests.numerics import adamw_fp64_step
 
 
 def adamw_fp64(params, grads_per_step, lr, betas, eps, weight_decays):
-    """Loshchilov & Hutter's AdamW (decoupled decay, bias-corrected moments), plain loops."""
+    """Loshchilov & Hutter's AdamW (decoupled decay, bias-corrected moments) over the steps, in fp64."""
     params = [p.double().clone() for p in params]
-    m = [torch.zeros_like(p) for p in params]
-    v = [torch.zeros_like(p) for p in params]
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
     for t, grads in enumerate(grads_per_step, start=1):
-        for i, (p, g, wd) in enumerate(zip(params, grads, weight_decays)):
-            g = g.double()
-            p.mul_(1 - lr * wd)
-            m[i] = betas[0] * m[i] + (1 - betas[0]) * g
-            v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
-            m_hat, v_hat = m[i] / (1 - betas[0] ** t), v[i] / (1 - betas[1] ** t)
-            p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+        for p, g, state, wd in zip(params, grads, moments, weight_decays):
+            adamw_fp64_step(p, g, state, t, lr, betas, eps, wd)
     return params
 
 

@@ -1,0 +1,147 @@
+"""What the docs claim of the optimizer step under every ZeRO stage, at two data-parallel ranks,
+in one launch (torchrun --nproc-per-node 2): for each engine.zero_stage given, an engine runs
+STEPS steps of its rank's micro-batches, the third with a non-finite gradient on rank 1, saves a
+checkpoint after step 3 and goes on; a second engine loads that checkpoint and runs steps 4-5.
+(A ZeRO-3 engine built second in a process and resumed into the non-finite step failed in
+backward: 'tracing error ... expected ... lm_head.weight', so the checkpoint follows the skip.)
+Rank 0 saves per stage the unclipped gradient norms, the rates, the skipped-step count and the
+final weights of both engines, and the plain-torch reference of the same steps (see reference()).
+
+    torchrun --nproc-per-node 2 tests/dist_scripts/zero_stage_claims.py MODEL OUT_PT STAGE[,STAGE...] CKPT_DIR
+"""
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hpsft.config.schema import EngineConfig, OptimConfig
+from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
+from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.models import PackedCausalLM, load_causal_lm
+from hpsft.utils.distributed import init_distributed, mesh
+from tests.numerics import adamw_fp64_step
+
+STEPS = 5
+SKIPPED = 2  # the step (0-based) whose gradient is made non-finite, on rank 1 only
+SAVED_AFTER = 3  # steps run before the checkpoint: the skipped one included
+LOSS_SCALES = [1.0, 4.0, 1.0, 0.25, 2.0]
+# lr 1e-2 and weight decay 1.0: decay moves a norm weight (1.0) by 1e-2 a step and a matrix
+# entry (~0.02) by 2e-4, both far beyond the comparison's rounding; the clip at 1.0 binds on the
+# steps whose loss is scaled up (norms ~1.4 x LOSS_SCALES) and not on the one scaled down, so Adam,
+# blind to one scale for all steps, sees a missing clip; one warmup step of five, then cosine to
+# 0.1 of the peak.
+OPTIM = OptimConfig(lr=1e-2, weight_decay=1.0, grad_clip=1.0, warmup_ratio=0.2, lr_scheduler="cosine",
+                    min_lr_ratio=0.1)
+# Written out from the docs (linear warmup to the peak, then cosine to min_lr_ratio), not from
+# hpsft's lr_lambda: factor k of the schedule's k-th taken step.
+LR_FACTORS = [0.5] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(3)]
+
+
+def decayed(name: str) -> bool:
+    """The docs' rule: no weight decay on biases and norms (by name, not hpsft's ndim test)."""
+    return not (name.endswith("bias") or "norm" in name)
+
+
+def all_steps(vocab: int) -> list[list[list[dict]]]:
+    """steps[step][rank]: two packed micro-batches per rank of random sequences of uneven
+    lengths, supervised on their second half."""
+    g = torch.Generator().manual_seed(0)
+    lengths = {0: ([30, 17], [24, 41, 9]), 1: ([12, 33, 5], [27])}
+    steps = []
+    for _ in range(STEPS):
+        steps.append([[collate_jagged([{"input_ids": torch.randint(0, vocab, (n,), generator=g),
+                                        "loss_mask": torch.arange(n) >= n // 2, "index": 0} for n in batch])
+                       for batch in lengths[rank]] for rank in (0, 1)])
+    return steps
+
+
+def reference(model: str, steps: list) -> dict:
+    """The same steps in plain torch, one process: fp32 gradients of every rank's micro-batches
+    over the step's loss tokens (times LOSS_SCALES), the norm and the clip (DeepSpeed's max / (norm + 1e-6)) in fp64,
+    AdamW in fp64 (tests/numerics.py) at the documented rates; the skipped step left out."""
+    module = PackedCausalLM(load_causal_lm(model))
+    names = [name for name, _ in module.named_parameters()]
+    weights = {name: p.detach().double().clone() for name, p in module.named_parameters()}
+    state = {name: (torch.zeros_like(w), torch.zeros_like(w)) for name, w in weights.items()}
+    norms, taken = [], 0
+    for i, ranks in enumerate(steps):
+        if i == SKIPPED:
+            norms.append(float("nan"))
+            continue
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(weights[name].float())
+        module.zero_grad()
+        batches = [batch for rank in ranks for batch in rank]
+        tokens = sum(loss_token_count(batch) for batch in batches)
+        for batch in batches:
+            (module(**packed_row(batch))["loss"] * LOSS_SCALES[i] / tokens).backward()
+        grads = {name: p.grad.double() for name, p in module.named_parameters()}
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        norms.append(norm)
+        scale = min(1.0, OPTIM.grad_clip / (norm + 1e-6))
+        taken += 1
+        lr = OPTIM.lr * LR_FACTORS[taken - 1]
+        for name in names:
+            adamw_fp64_step(weights[name], grads[name] * scale, state[name], taken, lr, OPTIM.betas, OPTIM.eps,
+                            OPTIM.weight_decay if decayed(name) else 0.0)
+    return {"grad_norms": norms, "weights": {name: w.float() for name, w in weights.items()},
+            "lrs": [OPTIM.lr * f for f in (LR_FACTORS[0], LR_FACTORS[1], LR_FACTORS[2], LR_FACTORS[2], LR_FACTORS[3])]}
+
+
+def built(model: str, stage: int) -> DeepSpeedEngine:
+    engine_config = EngineConfig(zero_stage=stage)
+    engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=STEPS, mesh=mesh(engine_config))
+    torch.manual_seed(0)
+    engine.initialize(PackedCausalLM(load_causal_lm(model)))
+    return engine
+
+
+def run_steps(engine: DeepSpeedEngine, steps: list, first: int) -> tuple[list[float], list[float]]:
+    rank = dist.get_rank()
+    norms, lrs = [], []
+    for i, ranks in enumerate(steps, start=first):
+        tokens = sum(loss_token_count(batch) for rank_batches in ranks for batch in rank_batches)
+        scale = LOSS_SCALES[i] * (float("inf") if i == SKIPPED and rank == 1 else 1.0)
+        step = engine.train_batch([packed_row(batch) for batch in ranks[rank]],
+                                  lambda out: out["loss"] * scale / tokens)
+        norms.append(step.grad_norm)
+        lrs.append(step.lr)
+    return norms, lrs
+
+
+def weights(engine: DeepSpeedEngine) -> dict:
+    return dict(engine.gathered_tensors([name for name, _ in engine.module.named_parameters()]))
+
+
+def main() -> None:
+    model, out_pt, stages, ckpt = sys.argv[1:5]
+    init_distributed()
+    steps = all_steps(load_causal_lm(model).config.vocab_size)
+    results = {"reference": reference(model, steps)}
+    for stage in map(int, stages.split(",")):
+        straight = built(model, stage)
+        norms, lrs = run_steps(straight, steps[:SAVED_AFTER], 0)
+        straight.save_checkpoint(f"{ckpt}/{stage}", "saved")
+        more_norms, more_lrs = run_steps(straight, steps[SAVED_AFTER:], SAVED_AFTER)
+        results[stage] = {
+            "deepspeed_stage": straight.engine.zero_optimization_stage(), "dp_size": straight.dp_size,
+            "grad_norms": norms + more_norms, "lrs": lrs + more_lrs, "weights": weights(straight),
+            "skipped_steps": straight.engine.skipped_steps, "global_steps": straight.steps,
+        }
+        straight.engine.destroy()  # two live ZeRO-3 engines in one process confuse its parameter fetching
+        del straight
+        resumed = built(model, stage)
+        resumed.load_checkpoint(f"{ckpt}/{stage}", "saved")
+        resumed_norms, resumed_lrs = run_steps(resumed, steps[SAVED_AFTER:], SAVED_AFTER)
+        results[stage]["resumed"] = {"grad_norms": resumed_norms, "lrs": resumed_lrs, "weights": weights(resumed)}
+        resumed.engine.destroy()
+    if dist.get_rank() == 0:
+        torch.save(results, out_pt)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
