@@ -66,6 +66,9 @@ class Architecture:
     windows: tuple[int, ...]
     attention_dropout: float
     moe: MoE | None = None
+    # The Hugging Face embedding's padding_idx (config.pad_token_id): that row gets no gradient
+    # from the lookups of its token (nn.Embedding's rule), in every supported family.
+    padding_idx: int | None = None
 
 
 def refuse(config, option: str, why: str):
@@ -102,7 +105,7 @@ def architecture_of(config) -> Architecture:
         tied_embeddings=bool(config.tie_word_embeddings), qkv_bias=bool(qkv_bias), qk_norm=family == "qwen3",
         rope_type=rope_type, rope_theta=rope_theta, max_positions=config.max_position_embeddings,
         windows=layer_windows(config), attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
-        moe=moe,
+        moe=moe, padding_idx=config.pad_token_id,
     )
 
 

@@ -6,7 +6,7 @@ Face config beside them.
                                its replica's first data-parallel rank), its model shard (the
                                GPTModel stage's parameters by Megatron name), each of its
                                distributed optimizers' torch Adam state and fp32 master
-                               shards, and the step count
+                               shards, and the step counts (taken; applied)
 
 A checkpoint resumes at the layout that wrote it (TP, PP, EP and DP the same); another layout
 is refused by name (resharding Megatron's distributed-optimizer state is not built yet:
@@ -51,14 +51,14 @@ def save(engine, folder: Path) -> None:
              "dense_primary": ps.get_data_parallel_rank() == 0,
              "expert_primary": ps.get_expert_data_parallel_rank() == 0,
              "model": {name: p.detach().clone() for name, p in engine.module.named_parameters()},
-             "optimizers": optimizers, "steps": engine.steps}
+             "optimizers": optimizers, "steps": engine.steps, "updates": engine.updates}
     torch.save(state, rank_file(folder, dist.get_rank()))
     dist.barrier()
 
 
 @torch.no_grad()
-def load(engine, folder: Path) -> int:
-    """This rank's state from the file its rank wrote; the step count."""
+def load(engine, folder: Path) -> tuple[int, int]:
+    """This rank's state from the file its rank wrote; the step count and the applied steps' count."""
     path = rank_file(folder, dist.get_rank())
     if not path.exists():
         raise UserInputError(f"{folder}: no Megatron engine state for rank {dist.get_rank()} ({path.name}): "
@@ -82,7 +82,7 @@ def load(engine, folder: Path) -> int:
         for master, value in zip(masters, saved["master"], strict=True):
             master.copy_(value)
     dist.barrier()
-    return state["steps"]
+    return state["steps"], state["updates"]
 
 
 def hf_weights(folder: Path) -> dict[str, torch.Tensor] | None:

@@ -64,6 +64,7 @@ class MegatronEngine(TrainEngine):
         self.lr_factor = lr_lambda(total_steps, warmup_steps(optim_config, total_steps), optim_config.lr_scheduler,
                                    optim_config.min_lr_ratio)
         self.taken = 0  # optimizer steps, skipped ones included (the trainer's step count)
+        self.updates = 0  # the steps applied: the LR schedule's position (a skipped step does not move it)
         self.model = None  # this rank's GPTModel inside Megatron's DDP, from initialize
         self.optimizer = None
         self.loss_options = None
@@ -193,12 +194,13 @@ class MegatronEngine(TrainEngine):
                                     sequence_nll=sequence_nll)
         grad_norm = self.optimizer_step()
         self.taken += 1
+        self.updates += math.isfinite(grad_norm)
         return EngineStep(outputs=outputs, grad_norm=grad_norm, lr=lr)
 
     def set_schedule(self) -> float:
         """This step's LR (hpsft's schedule) and weight decay (none on 1-D weights: Megatron's
         groups carry wd_mult 0 for them) on every parameter group; the LR."""
-        lr = self.optim.lr * self.lr_factor(self.taken)
+        lr = self.optim.lr * self.lr_factor(self.updates)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.optim.weight_decay * group["wd_mult"]
@@ -208,19 +210,19 @@ class MegatronEngine(TrainEngine):
         """ChainedOptimizer.step's parts: the gradients to the fp32 master shards, the unclipped
         global norm (over every rank's shards, each parameter counted once), a non-finite one
         skipping the step, else clipping and the update (the new weights all-gathered over DP)."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         optimizer = self.optimizer
         optimizer.prepare_grads()
         norm = float(optimizer.get_grad_norm())
         if not math.isfinite(norm):
             optimizer.zero_grad()
             return norm
-        if self.optim.grad_clip > 0:
-            for chained in optimizer.chained_optimizers:
-                params = chained.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(params, max_norm=self.optim.grad_clip, total_norm=norm)
+        clip = self.optim.grad_clip / (norm + 1e-6)
+        if self.optim.grad_clip > 0 and clip < 1.0:
+            # Megatron's clip_grad_by_total_norm_fp32 is CUDA-only (multi_tensor_applier): the
+            # same scaling, once per master parameter (a shared one is listed once).
+            grads = {id(p): p.grad for chained in optimizer.chained_optimizers for p in chained.get_parameters()
+                     if p.grad is not None}
+            torch._foreach_mul_(list(grads.values()), clip)
         optimizer.step_with_ready_grads()
         return norm
 
@@ -299,7 +301,7 @@ class MegatronEngine(TrainEngine):
         checkpoint.save(self, Path(root) / tag)
 
     def load_checkpoint(self, root: str, tag: str) -> None:
-        self.taken = checkpoint.load(self, Path(root) / tag)
+        self.taken, self.updates = checkpoint.load(self, Path(root) / tag)
 
     @classmethod
     def checkpoint_weights(cls, folder: Path, scratch: Path) -> Mapping[str, torch.Tensor] | None:

@@ -138,7 +138,23 @@ def build_model(hf_config, params_dtype: torch.dtype = torch.float32):
     # The Hugging Face model's own inverse frequencies (its rope type's scaling included).
     model.rotary_pos_emb.inv_freq = rope_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
     model.hf_architecture = arch
+    if model.pre_process and arch.padding_idx is not None:
+        keep_padding_row_still(model.embedding.word_embeddings, arch.padding_idx)
     return model
+
+
+def keep_padding_row_still(embedding, padding_idx: int) -> None:
+    """nn.Embedding(padding_idx=...)'s rule on Megatron's vocabulary-parallel embedding: the
+    lookups of the padding token add nothing to its row's gradient (their output gradient is
+    dropped before it reaches the weight; a tied head still trains the row, as in the Hugging
+    Face model). Without it a row the Hugging Face model keeps fixed would move."""
+
+    def hook(module, inputs, output):
+        if output.requires_grad:
+            padding = (inputs[0] == padding_idx).unsqueeze(-1)
+            output.register_hook(lambda grad: grad.masked_fill(padding, 0))
+
+    embedding.register_forward_hook(hook)
 
 
 def rope_inv_freq(hf_config) -> torch.Tensor:

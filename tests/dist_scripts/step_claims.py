@@ -1,13 +1,19 @@
-"""What the docs claim of the optimizer step under every ZeRO stage, at two data-parallel ranks,
-in one launch (torchrun --nproc-per-node 2): for each engine.zero_stage given, an engine runs
-STEPS steps of its rank's micro-batches, the third with a non-finite gradient on rank 1, saves a
-checkpoint after step 3 and goes on; a second engine loads that checkpoint and runs steps 4-5.
-(A ZeRO-3 engine built second in a process and resumed into the non-finite step failed in
-backward: 'tracing error ... expected ... lm_head.weight', so the checkpoint follows the skip.)
-Rank 0 saves per stage the unclipped gradient norms, the rates, the skipped-step count and the
-final weights of both engines, and the plain-torch reference of the same steps (see reference()).
+"""What the docs claim of the optimizer step, for each engine layout given, in one launch
+(torchrun --nproc-per-node N): an engine runs STEPS steps of its data-parallel rank's
+micro-batches, the third with a non-finite gradient on the rows of data part 1, saves a
+checkpoint after step 3 and goes on; a second engine of the same layout loads that checkpoint
+and runs steps 4-5. (A ZeRO-3 engine built second in a process and resumed into the non-finite
+step failed in backward: 'tracing error ... expected ... lm_head.weight', so the checkpoint
+follows the skip.) Rank 0 saves per layout the unclipped gradient norms, the rates, the final
+weights of both engines (Hugging Face names, gathered), and the plain-torch reference of the
+same steps (see reference()).
 
-    torchrun --nproc-per-node 2 tests/dist_scripts/zero_stage_claims.py MODEL OUT_PT STAGE[,STAGE...] CKPT_DIR
+A layout is ENGINE:KEY=VALUE[,KEY=VALUE...] of the config section `engine` (ints), e.g.
+deepspeed:zero_stage=2 or megatron:tensor_parallel_size=2,pipeline_parallel_size=2. The rows
+are the same for every layout: two data parts, each on its own data-parallel rank at DP=2, both
+on the one rank at DP=1 (every TP / PP rank of a replica gets its replica's rows).
+
+    torchrun --nproc-per-node N tests/dist_scripts/step_claims.py MODEL OUT_PT CKPT_DIR LAYOUT [LAYOUT...]
 """
 
 import math
@@ -18,7 +24,9 @@ import torch.distributed as dist
 
 from hpsft.config.schema import EngineConfig, OptimConfig
 from hpsft.data.batch import collate_jagged, loss_token_count, packed_row
+from hpsft.engine.base import TrainEngine
 from hpsft.engine.deepspeed import DeepSpeedEngine
+from hpsft.engine.factory import engine_class
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.utils.distributed import init_distributed, mesh
 from tests.numerics import adamw_fp64_step
@@ -91,53 +99,75 @@ def reference(model: str, steps: list) -> dict:
             "lrs": [OPTIM.lr * f for f in (LR_FACTORS[0], LR_FACTORS[1], LR_FACTORS[2], LR_FACTORS[2], LR_FACTORS[3])]}
 
 
-def built(model: str, stage: int) -> DeepSpeedEngine:
-    engine_config = EngineConfig(zero_stage=stage)
-    engine = DeepSpeedEngine(engine_config, OPTIM, total_steps=STEPS, mesh=mesh(engine_config))
+def layout_config(layout: str) -> EngineConfig:
+    name, _, options = layout.partition(":")
+    keys = dict(option.split("=") for option in options.split(",") if option)
+    return EngineConfig(name=name, **{key: int(value) for key, value in keys.items()})
+
+
+def built(model: str, layout: str) -> TrainEngine:
+    engine_config = layout_config(layout)
+    engine = engine_class(engine_config.name)(engine_config, OPTIM, total_steps=STEPS, mesh=mesh(engine_config))
     torch.manual_seed(0)
     engine.initialize(PackedCausalLM(load_causal_lm(model)))
     return engine
 
 
-def run_steps(engine: DeepSpeedEngine, steps: list, first: int) -> tuple[list[float], list[float]]:
-    rank = dist.get_rank()
+def run_steps(engine: TrainEngine, steps: list, first: int) -> tuple[list[float], list[float]]:
+    """Steps of this rank's data-parallel rows: data part d on DP rank d at DP=2, both at DP=1."""
+    dp_rank, dp_size = engine.mesh.dp_rank, engine.mesh.dp_size
+    parts = [part for part in (0, 1) if part % dp_size == dp_rank]
     norms, lrs = [], []
     for i, ranks in enumerate(steps, start=first):
-        tokens = sum(loss_token_count(batch) for rank_batches in ranks for batch in rank_batches)
-        scale = LOSS_SCALES[i] * (float("inf") if i == SKIPPED and rank == 1 else 1.0)
-        step = engine.train_batch([packed_row(batch) for batch in ranks[rank]],
+        tokens = sum(loss_token_count(batch) for part_batches in ranks for batch in part_batches)
+        scale = LOSS_SCALES[i] * (float("inf") if i == SKIPPED and 1 in parts else 1.0)
+        step = engine.train_batch([packed_row(batch) for part in parts for batch in ranks[part]],
                                   lambda out: out["loss"] * scale / tokens)
         norms.append(step.grad_norm)
         lrs.append(step.lr)
     return norms, lrs
 
 
-def weights(engine: DeepSpeedEngine) -> dict:
-    return dict(engine.gathered_tensors([name for name, _ in engine.module.named_parameters()]))
+def weights(engine: TrainEngine, names: list[str]) -> dict:
+    return dict(engine.gathered_tensors(names))
+
+
+def released(engine: TrainEngine) -> None:
+    """Two live engines in one process confuse ZeRO-3's parameter fetching; Megatron's
+    parallel state is built anew by the next engine."""
+    if isinstance(engine, DeepSpeedEngine):
+        engine.engine.destroy()
+    else:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
 
 
 def main() -> None:
-    model, out_pt, stages, ckpt = sys.argv[1:5]
+    model, out_pt, ckpt, *layouts = sys.argv[1:]
     init_distributed()
     steps = all_steps(load_causal_lm(model).config.vocab_size)
     results = {"reference": reference(model, steps)}
-    for stage in map(int, stages.split(",")):
-        straight = built(model, stage)
+    names = list(results["reference"]["weights"])
+    for n, layout in enumerate(layouts):
+        straight = built(model, layout)
         norms, lrs = run_steps(straight, steps[:SAVED_AFTER], 0)
-        straight.save_checkpoint(f"{ckpt}/{stage}", "saved")
+        straight.save_checkpoint(f"{ckpt}/{n}", "saved")
         more_norms, more_lrs = run_steps(straight, steps[SAVED_AFTER:], SAVED_AFTER)
-        results[stage] = {
-            "deepspeed_stage": straight.engine.zero_optimization_stage(), "dp_size": straight.dp_size,
-            "grad_norms": norms + more_norms, "lrs": lrs + more_lrs, "weights": weights(straight),
-            "skipped_steps": straight.engine.skipped_steps, "global_steps": straight.steps,
-        }
-        straight.engine.destroy()  # two live ZeRO-3 engines in one process confuse its parameter fetching
+        results[layout] = {"mesh": straight.mesh.coordinates(), "dp_size": straight.mesh.dp_size,
+                           "grad_norms": norms + more_norms, "lrs": lrs + more_lrs,
+                           "weights": weights(straight, names), "global_steps": straight.steps}
+        if isinstance(straight, DeepSpeedEngine):
+            results[layout].update(deepspeed_stage=straight.engine.zero_optimization_stage(),
+                                   skipped_steps=straight.engine.skipped_steps)
+        released(straight)
         del straight
-        resumed = built(model, stage)
-        resumed.load_checkpoint(f"{ckpt}/{stage}", "saved")
+        resumed = built(model, layout)
+        resumed.load_checkpoint(f"{ckpt}/{n}", "saved")
         resumed_norms, resumed_lrs = run_steps(resumed, steps[SAVED_AFTER:], SAVED_AFTER)
-        results[stage]["resumed"] = {"grad_norms": resumed_norms, "lrs": resumed_lrs, "weights": weights(resumed)}
-        resumed.engine.destroy()
+        results[layout]["resumed"] = {"grad_norms": resumed_norms, "lrs": resumed_lrs,
+                                      "weights": weights(resumed, names), "global_steps": resumed.steps}
+        released(resumed)
     if dist.get_rank() == 0:
         torch.save(results, out_pt)
     dist.barrier()
