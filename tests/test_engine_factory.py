@@ -21,7 +21,7 @@ def test_an_unknown_engine_name_is_refused_naming_the_known_ones():
     config = load_config(None, ["engine.name=fsdp2"])
     with pytest.raises(UserInputError) as refused:
         build_engine(config.engine, config.optim, total_steps=10, mesh=Mesh(dp_size=1))
-    assert str(refused.value) == "engine.name='fsdp2' is not an engine hpsft has: use one of deepspeed"
+    assert str(refused.value) == "engine.name='fsdp2' is not an engine hpsft has: use one of deepspeed, megatron"
 
 
 def test_the_default_engine_is_deepspeed():
