@@ -17,8 +17,8 @@ from hpsft.data.chat_messages import BadRow, normalize_messages, normalize_tools
 from hpsft.data.inspection import percentile
 from hpsft.data.preparation import DEFAULT_SHARD_MB, WORKER_STATE, LocalRunner, init_worker, prepare, worker_pool
 from hpsft.data.row_sequences import row_conversations
-from hpsft.data.rows import TokenizeOptions, UnreadableRow, drop_nulls, read_rows, row_to_messages
-from hpsft.data.sharegpt import is_sharegpt, sharegpt_messages
+from hpsft.data.layouts import HOUSE_LAYOUT, row_messages
+from hpsft.data.rows import TokenizeOptions, UnreadableRow, drop_nulls, read_rows
 from hpsft.utils.errors import UserInputError
 
 DROP_REASONS = ("malformed", "empty", "duplicate", "over_max_length")
@@ -84,9 +84,7 @@ def conversation(row, opts: TokenizeOptions) -> tuple[list[dict], list[dict] | N
     if isinstance(row, UnreadableRow):
         raise Dropped("malformed", row.reason)
     try:
-        messages, tools = row_to_messages(row, opts)
-        if is_sharegpt(messages):
-            messages = sharegpt_messages(messages)
+        messages, tools = row_messages(row, opts)
         if isinstance(messages, (list, tuple)) and not messages:
             raise Dropped("empty", "no messages")
         messages, tools = normalize_messages(messages), normalize_tools(tools)
@@ -117,9 +115,10 @@ def fitted_records(messages, tools, tokenizer,
     """The records a kept row is written as, the (tokens, supervised tokens) of the sequences
     they train, and the data stage's counts. A row within opts.max_length is written as it is;
     one over it is dropped (opts.truncation=error) or written as the conversations its turn
-    policy keeps (turns, split), history turns as context (weight 0)."""
+    policy keeps (turns, split), history turns as context (weight 0). `opts` read the house
+    layout (HOUSE_LAYOUT): the messages are the row's, already checked."""
     try:
-        fitted = row_conversations({opts.messages_key: messages, opts.tools_key: tools}, tokenizer, opts)
+        fitted = row_conversations({"messages": messages, "tools": tools}, tokenizer, opts)
     except BadRow as err:
         raise Dropped("malformed", str(err)) from None
     if fitted.dropped:
@@ -198,7 +197,8 @@ def kept_rows(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: 
     if tokenizer is None:
         kept = [[parquet_record(messages, tools)] for _, messages, tools in checked()]
     else:
-        for where, fitted, dropping in fitted_rows(checked(), tokenizer, opts, num_proc):
+        house_opts = dataclasses.replace(opts, **HOUSE_LAYOUT)
+        for where, fitted, dropping in fitted_rows(checked(), tokenizer, house_opts, num_proc):
             if dropping is not None:
                 drop(where, *dropping)
                 continue
@@ -267,7 +267,7 @@ def write_store(path: Path, tokenizer, opts: TokenizeOptions, num_proc: int, sha
     stage the trainer runs (hpsft/data/preparation.py): a training job names it in
     data.train_files and tokenizes nothing. The rows already fit --max-length, so the store's
     options refuse a row over it rather than cut it."""
-    store_opts = dataclasses.replace(opts, truncation="error", bad_rows="error")
+    store_opts = dataclasses.replace(opts, **HOUSE_LAYOUT, truncation="error", bad_rows="error")
     store_dir = path.with_suffix(".store")
     store_dir.mkdir(exist_ok=True)
     _, manifest = prepare(str(path), tokenizer, store_opts, store_dir.parent, LocalRunner(num_proc),

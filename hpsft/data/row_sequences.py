@@ -1,6 +1,6 @@
 """One row -> the sequences it trains.
 
-1. Its conversation (hpsft/data/rows.py) rendered and masked by the chat template
+1. Its conversation (hpsft/data/layouts.py) rendered and masked by the chat template
    (hpsft/data/chat_tokenize.py): one sequence of the whole conversation, or one per
    supervised assistant turn as the template writes it when that turn is generated
    (data.multiturn; `auto` does so when the template rewrites earlier turns).
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
 from hpsft.data.chat_tokenize import EncodedConversation, HistoryRewritten, PREFIX_MISMATCH, RenderedConversation, \
     TemplateRenderer, encode_rendered, render_conversation
-from hpsft.data.rows import TokenizeOptions, row_to_messages
+from hpsft.data.layouts import row_messages
+from hpsft.data.rows import TokenizeOptions
 
 TURN_POLICIES = ("turns", "split")  # the truncation policies that cut only between turns
 
@@ -123,7 +124,7 @@ def rows_conversations(rows: list, tokenizer, opts: TokenizeOptions) -> list[Row
     pending = []  # per row: (messages, encoder, its whole rendering or None) or its BadRow
     for row in rows:
         try:
-            messages, tools = row_to_messages(row, opts)
+            messages, tools = row_messages(row, opts)
             messages, tools = normalize_messages(messages), normalize_tools(tools)
             encoder = Encoder(tokenizer, tools, opts.chat_template)
             pending.append((messages, encoder, whole_rendering(encoder, messages, opts)))

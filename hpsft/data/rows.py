@@ -1,8 +1,6 @@
-"""Rows of the data files: parquet, JSONL or JSON-array files read row by row, and a row's
-conversation (messages and tools) under the options of the data section.
-
-A row is either multi-turn (`messages`, optional `tools`) or single-turn
-(`prompt`/`response`); the keys are configurable.
+"""Rows of the data files: parquet, JSONL or JSON-array files read row by row, and the
+options of the data section that turn them into sequences. A row's layout (OpenAI messages,
+ShareGPT, Alpaca, prompt/response, prompt/completion) and its column keys: hpsft/data/layouts.py.
 """
 
 import json
@@ -13,7 +11,6 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hpsft.data.chat_messages import BadRow
 from hpsft.utils.errors import UserInputError
 
 
@@ -23,15 +20,21 @@ class DataError(UserInputError):
 
 @dataclass(frozen=True)
 class TokenizeOptions:
-    messages_key: str
-    prompt_key: str
-    response_key: str
+    messages_key: str | None  # None: the row layout's own column (hpsft/data/layouts.py)
+    prompt_key: str | None
+    response_key: str | None
     tools_key: str
     chat_template: str | None
     max_length: int
     truncation: str  # error | left | right | turns | split
     bad_rows: str  # error | skip
     multiturn: str = "auto"  # auto | whole | per_turn
+    layout: str = "auto"  # auto | messages | sharegpt | alpaca | prompt_response | prompt_completion
+    role_key: str | None = None
+    content_key: str | None = None
+    query_key: str | None = None
+    system_key: str | None = None
+    history_key: str | None = None
 
     @classmethod
     def from_data_config(cls, cfg) -> "TokenizeOptions":
@@ -120,17 +123,3 @@ def json_rows(path: Path, unreadable: str = "error"):
                     yield UnreadableRow(f"not valid JSON ({err.msg})")
                     continue
                 raise DataError(f"{path} row {i}: not valid JSON ({err.msg})") from None
-
-
-def row_to_messages(row: dict, opts: TokenizeOptions):
-    if not isinstance(row, dict):
-        raise BadRow(f"row must be an object, got {type(row).__name__}")
-    if row.get(opts.messages_key) is not None:
-        return row[opts.messages_key], row.get(opts.tools_key)
-    if opts.prompt_key in row and opts.response_key in row:
-        prompt, response = row[opts.prompt_key], row[opts.response_key]
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None
-    raise BadRow(
-        f"row has neither '{opts.messages_key}' nor '{opts.prompt_key}'/'{opts.response_key}' "
-        f"(keys: {sorted(row)})"
-    )
