@@ -13,7 +13,8 @@ import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.preparation import prepared_store
-from hpsft.data.rows import TokenizeOptions, read_rows
+from hpsft.data.rows import TokenizeOptions
+from hpsft.data.shards import read_rows
 from hpsft.commands.prepare_data import main as prepare_data
 from hpsft.commands.prepare_model import main as prepare_model
 from tests.conftest import columns, write_jsonl, write_parquet
@@ -105,7 +106,7 @@ def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):
     folder = tmp_path / "not_a_dataset"
     folder.mkdir()
     assert prepare_data([str(folder), "--out", str(tmp_path / "out")]) == 2
-    assert "not one written by datasets' save_to_disk" in capsys.readouterr().err
+    assert "not_a_dataset holds no data file" in capsys.readouterr().err
     rows = write_jsonl([{"messages": []}, {"text": "x"}], tmp_path / "bad.jsonl")
     assert prepare_data([rows, "--out", str(tmp_path / "out")]) == 2
     assert "no row of" in capsys.readouterr().err and not (tmp_path / "out" / "train.parquet").exists()

@@ -16,7 +16,8 @@ from pathlib import Path
 from hpsft.commands import command_parser
 from hpsft.config import load_config
 from hpsft.data.layouts import row_messages
-from hpsft.data.rows import TokenizeOptions, read_rows
+from hpsft.data.rows import TokenizeOptions
+from hpsft.data.shards import read_rows
 from hpsft.models.generation import generate_replies, load_for_generation, model_folder
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 

@@ -18,7 +18,8 @@ from hpsft.data.inspection import percentile
 from hpsft.data.preparation import DEFAULT_SHARD_MB, WORKER_STATE, LocalRunner, init_worker, prepare, worker_pool
 from hpsft.data.row_sequences import row_conversations
 from hpsft.data.layouts import HOUSE_LAYOUT, row_messages
-from hpsft.data.rows import TokenizeOptions, UnreadableRow, drop_nulls, read_rows
+from hpsft.data.rows import TokenizeOptions, UnreadableRow
+from hpsft.data.shards import compression, data_suffix, entry_rows, expand_entry
 from hpsft.utils.errors import UserInputError
 
 DROP_REASONS = ("malformed", "empty", "duplicate", "over_max_length")
@@ -32,51 +33,22 @@ class Dropped(Exception):
         self.counts = counts or Counter()  # the data stage's counts of a row dropped for its length
 
 
-def is_dataset_folder(path: Path) -> bool:
-    """A folder written by `datasets`' save_to_disk (a DatasetDict, or one Dataset)."""
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-
-
-def load_dataset_folder(path: Path, split: str | None):
-    try:
-        import datasets
-    except ImportError:
-        raise UserInputError(f"{path} is a Hugging Face datasets folder: reading it needs the datasets package "
-                             "(pip install 'hpsft[data]')") from None
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        names = list(loaded)
-        name = split or ("train" if "train" in loaded else names[0] if len(names) == 1 else None)
-        if name not in loaded:
-            raise UserInputError(f"{path} holds the splits {names}: choose one with --split")
-        return loaded[name]
-    if split is not None:
-        raise UserInputError(f"--split {split}: {path} holds one Dataset, not a DatasetDict of splits; drop --split")
-    return loaded
-
-
 def input_rows(path: Path, split: str | None):
-    """(row count or None when unknown before reading, iterator of (where, row))."""
-    if path.is_dir():
-        if not is_dataset_folder(path):
-            raise UserInputError(f"{path} is a folder but not one written by datasets' save_to_disk (no "
-                                 "dataset_dict.json or state.json in it): give data files or such a folder")
-        dataset = load_dataset_folder(path, split)
+    """(row count or None when unknown before reading, iterator of (where, row)): the files
+    (or datasets folder) `path` names, read by the data stage's readers (data/shards.py)."""
+    counts = [parquet_rows(f) for f in expand_entry(str(path), split)]
+    return (None if None in counts else sum(counts)), entry_rows(path, split)
 
-        def rows():
-            # Arrow batches: a struct column gives every row every key seen in it (as None), like parquet.
-            for i, row in enumerate(r for batch in dataset.with_format("arrow").iter(1000) for r in batch.to_pylist()):
-                yield f"{path} row {i}", drop_nulls(row)
-        return len(dataset), rows()
-    if not path.exists():
-        raise UserInputError(f"{path} does not exist")
-    count = None
-    if path.suffix.lower() == ".parquet":
-        try:
-            count = pq.read_metadata(path).num_rows
-        except (pa.ArrowException, OSError):
-            pass  # read_rows says what is wrong with the file
-    return count, ((f"{path} row {i}", row) for i, row in enumerate(read_rows(path, unreadable="yield")))
+
+def parquet_rows(path: Path) -> int | None:
+    """The rows of a parquet file from its footer; None for other files (and a broken parquet
+    file, which its reader names)."""
+    if data_suffix(path) != ".parquet" or compression(path) is not None:
+        return None
+    try:
+        return pq.read_metadata(path).num_rows
+    except (pa.ArrowException, OSError):
+        return None
 
 
 def conversation(row, opts: TokenizeOptions) -> tuple[list[dict], list[dict] | None]:
