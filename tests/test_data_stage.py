@@ -25,7 +25,8 @@ from tests.test_spmd_training import assert_ok, rel_diff
 
 
 def options(**kw) -> TokenizeOptions:
-    base = dict(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+    # The config's defaults (the column keys unset): a training run on the same files finds this store.
+    base = dict(messages_key=None, prompt_key=None, response_key=None, tools_key="tools",
                 chat_template=None, max_length=1024, truncation="right", bad_rows="error")
     return TokenizeOptions(**{**base, **kw})
 

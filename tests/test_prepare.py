@@ -333,3 +333,31 @@ def test_prepare_data_writes_the_store_a_training_job_reads_without_tokenizing(t
     other.add_tokens(["<hpsft-extra>"])
     with pytest.raises(DataError, match="was prepared with another tokenizer"):
         prepared_store(str(store_dir), other, opts, tmp_path / "unused")
+
+
+def test_the_default_keeps_long_sharegpt_rows_and_counts_the_supervised_tokens_lost(tmp_path, capsys, model_path):
+    """No --truncation: the packaged ShareGPT records as shipped keep their long rows (their
+    leading turns), and under every policy the supervised tokens written plus those the report
+    says were lost are the same total: the rows' own.
+    Planted: lost_supervised_tokens not counted for rows no turn of which fits: the totals
+    differed (turns and split 50,095, drop 52,555)."""
+    from itertools import islice
+
+    from hpsft.assets.chat_corpora import sharegpt_records
+
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(list(islice(sharegpt_records(), 60))))
+    reports = {}
+    for policy in (None, "drop", "split"):
+        out = tmp_path / f"out_{policy}"
+        flags = [] if policy is None else ["--truncation", policy]
+        assert prepare_data([str(source), "--out", str(out), "--tokenizer", model_path, "--max-length", "1024",
+                             *flags]) == 0
+        reports[policy] = json.loads((out / "report.json").read_text())
+        assert f"rows over --max-length 1024 (--truncation {policy or 'turns'})" in capsys.readouterr().out
+    default, drop = reports[None], reports["drop"]
+    assert default["truncation"] == "turns" and default["counts"]["turns_rows"] > 10
+    assert default["rows_kept"] == drop["rows_kept"] + default["counts"]["turns_rows"]
+    totals = {policy: r["token_lengths"]["supervised"] + r["counts"].get("lost_supervised_tokens", 0)
+              for policy, r in reports.items()}
+    assert len(set(totals.values())) == 1, totals

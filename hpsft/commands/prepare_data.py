@@ -17,13 +17,15 @@ by Hugging Face `datasets` (`Dataset.save_to_disk` / `DatasetDict.save_to_disk`;
 datasets package). A row's layout is found from its keys (or --layout): OpenAI `messages`,
 ShareGPT `conversations` of `{"from", "value"}` (LLaMA-Factory's roles), Alpaca
 `instruction`/`input`/`output` (+ `system`, `history`), `prompt`/`response`,
-`prompt`/`completion`; --*-key name other columns (docs/data.md, "Row layouts"). Written to --out: train.parquet (and val.parquet with --val-fraction), one
-`messages` column (plus `tools` when rows have them) that data.train_files reads with the
-default keys, and report.json: rows read, kept, dropped by reason (malformed, empty,
-duplicate, over_max_length), token-length percentiles with --tokenizer. A row over
---max-length is dropped, or (--truncation turns) cut to its leading whole turns, or
-(--truncation split) written as several rows cut at turn boundaries, their history turns
-marked as context (weight 0): docs/data.md, "Long conversations".
+`prompt`/`completion`; --*-key name other columns (docs/data.md, "Row layouts").
+Written to --out: train.parquet (and val.parquet with --val-fraction), one `messages`
+column (plus `tools` when rows have them) that data.train_files reads with the default
+keys, and report.json: rows read, kept, dropped by reason (malformed, empty, duplicate,
+over_max_length), token-length percentiles with --tokenizer. A row over --max-length is cut
+to its leading whole turns (--truncation turns, the default), written as several rows cut at
+turn boundaries, their history turns marked as context (weight 0) (--truncation split), or
+dropped (--truncation drop); the report says how many rows each took and the supervised
+tokens lost: docs/data.md, "Long conversations".
 """
 
 import json
@@ -63,20 +65,21 @@ def prepare_files(args) -> dict:
     if args.store and args.tokenizer is None:
         raise UserInputError("--store tokenizes the written rows: give --tokenizer (the model folder the store is "
                              "for)")
-    if args.truncation != "drop" and args.max_length is None:
+    if args.truncation is not None and args.max_length is None:
         raise UserInputError(f"--truncation {args.truncation} fits rows to --max-length: give --max-length "
                              "(and --tokenizer)")
     if args.sharegpt or args.sharegpt_only:
         raise UserInputError("--sharegpt and --sharegpt-only take packaged ShareGPT conversations: they go without "
                              "input files")
     val_fraction = args.val_fraction or 0.0
+    truncation = args.truncation or "turns"
     if not 0 <= val_fraction < 1:
         raise UserInputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     opts = TokenizeOptions(layout=args.layout, **{key: getattr(args, key) for key in COLUMN_KEYS},
                            chat_template=chat_template_text(args.chat_template),
                            max_length=args.max_length or sys.maxsize,
                            # drop: kept_rows() drops an over-long row itself, the sequences are never cut.
-                           truncation={"drop": "error"}.get(args.truncation, args.truncation), bad_rows="skip")
+                           truncation={"drop": "error"}.get(truncation, truncation), bad_rows="skip")
     tokenizer = None
     if args.tokenizer is not None:
         from hpsft.models.loading import load_tokenizer
@@ -128,9 +131,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a model folder: count tokens through its chat template (and --max-length)")
     parser.add_argument("--max-length", type=int, default=None, help="fit rows to this many tokens (--truncation)")
-    parser.add_argument("--truncation", choices=("drop", "turns", "split"), default="drop",
-                        help="a row over --max-length: drop it (default), keep its leading whole turns, or split it "
-                             "into rows at turn boundaries (history as context)")
+    parser.add_argument("--truncation", choices=("drop", "turns", "split"), default=None,
+                        help="a row over --max-length: keep its leading whole turns (turns, the default), split it "
+                             "into rows at turn boundaries (history as context), or drop it")
     parser.add_argument("--chat-template", default=None, help="Jinja text or file replacing the tokenizer's")
     parser.add_argument("--dedupe", action="store_true", help="drop rows repeating an earlier row")
     parser.add_argument("--val-fraction", type=float, default=None,
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
         given = [f"--{name.replace('_', '-')}" for name in ("tokenizer", "max_length", "chat_template", "split",
                                                              "dedupe", "store", "num_proc", "shard_mb")
                  if getattr(args, name)]
-        given += ["--truncation"] if args.truncation != "drop" else []
+        given += ["--truncation"] if args.truncation is not None else []
         if given:
             raise UserInputError(f"{', '.join(given)} go with input files; the packaged corpora take --out, "
                                  "--val-fraction, --seed and --sharegpt")

@@ -188,9 +188,10 @@ class DataConfig:
     tools_key: str = "tools"  # optional per-row tool schemas passed to the chat template
     chat_template: Optional[str] = None  # Jinja text or a .jinja file path, overriding the tokenizer's
     max_length: int = 1024
-    # A row longer than max_length: error | left | right (cut tokens) | turns (its leading whole
-    # turns) | split (several sequences cut at turn boundaries); docs/data.md "Long conversations".
-    truncation: str = "error"
+    # A row longer than max_length: turns (its leading whole turns; a row no turn of which fits
+    # is dropped and counted) | split (several sequences cut at turn boundaries) | error |
+    # left | right (cut tokens); docs/data.md "Long conversations".
+    truncation: str = "turns"
     # auto | whole | per_turn: one sequence per conversation, or one per assistant turn as the
     # template writes it when that turn is generated (auto: per turn when the template rewrites
     # past turns); docs/data.md "Templates that rewrite history".

@@ -96,7 +96,8 @@ def fitted_records(messages, tools, tokenizer,
     if fitted.dropped:
         raise Dropped("over_max_length", fitted.dropped, fitted.counts)
     longest = max(len(c.input_ids) for c in fitted.conversations)
-    if longest > opts.max_length:
+    if longest > opts.max_length:  # --truncation drop
+        fitted.counts["lost_supervised_tokens"] += sum(sum(c.loss_mask) for c in fitted.conversations)
         raise Dropped("over_max_length", f"{longest} tokens > --max-length {opts.max_length}", fitted.counts)
     lengths = [(len(c.input_ids), sum(c.loss_mask)) for c in fitted.conversations]
     if not fitted.counts["over_max_length_rows"]:
@@ -226,12 +227,24 @@ def report_text(report: dict) -> str:
         lines.append(f"tokens per sequence of the kept rows ({report['tokenizer']}): "
                      + ", ".join(f"{k}={v}" for k, v in lengths.items()))
         if report["counts"]:
+            lines.append(long_rows_text(report))
             lines.append(f"counts (--truncation {report['truncation']}): "
                          + ", ".join(f"{k}={v}" for k, v in report["counts"].items()))
     lines += [f"{path} ({n} rows)" for path, n in report["written"].items()]
     lines += [f"{path} ({held['sequences']} sequences, {held['tokens']} tokens, {held['supervised_tokens']} supervised)"
               for path, held in report.get("stores", {}).items()]
     return "\n".join(lines)
+
+
+def long_rows_text(report: dict) -> str:
+    """What --truncation did to the rows over --max-length, and the supervised tokens it cost."""
+    counts, lengths = report["counts"], report["token_lengths"]
+    lost = counts.get("lost_supervised_tokens", 0)
+    share = lost / max(1, lengths["supervised"] + lost)
+    return (f"{counts.get('over_max_length_rows', 0)} rows over --max-length {report['max_length']} (--truncation "
+            f"{report['truncation']}): {counts.get('turns_rows', 0)} cut to their leading turns, "
+            f"{counts.get('split_rows', 0)} split into {counts.get('split_sequences', 0)} rows, "
+            f"{report['dropped']['over_max_length']} dropped; {lost} supervised tokens lost ({share:.1%})")
 
 
 def write_store(path: Path, tokenizer, opts: TokenizeOptions, num_proc: int, shard_mb: float) -> dict:
