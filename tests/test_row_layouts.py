@@ -10,6 +10,7 @@ Planted once: SHAREGPT_ROLES with human -> assistant and gpt -> user: 3 of the 8
 'assistant', and prepare-data kept the swapped rows without a word."""
 
 import json
+import re
 from itertools import islice
 from pathlib import Path
 
@@ -183,3 +184,41 @@ def test_a_row_of_no_known_layout_is_refused_naming_file_row_keys_and_flags(tmp_
     with pytest.raises(BadRow, match=r"row has no 'conversations' \(data.messages_key, --messages-key\) for "
                                      r"data.layout=sharegpt \(keys: \['messages'\]\)"):
         row_messages({"messages": []}, options(layout="sharegpt"))
+
+
+def test_a_sharegpt_file_as_shipped_and_compressed_alpaca_rows_train_a_step_and_show_their_spans(
+        tmp_path, chat_rows, tiny_chat_model, capsys):
+    """The trainer on the files as users have them, no layout flag: the packaged ShareGPT
+    records as shipped (a JSON array; its empty records skipped with data.bad_rows=skip) and
+    Alpaca rows gzip-compressed, as two sources; one step trains on both, and inspect-data
+    marks exactly the Alpaca rows' outputs as supervised.
+    Planted: Alpaca history pairs read response-first: inspect-data marked 'What is a c...'
+    (the history's question) where the test expected 'A computer ...' (its answer)."""
+    import gzip
+
+    from hpsft.commands.inspect_data import main as inspect_data
+    from tests.conftest import assert_ok, base_overrides, read_metrics, run_cli
+
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps(list(islice(sharegpt_records(), 40))))
+    rows, conversations = alpaca_rows(chat_rows)
+    alpaca = tmp_path / "alpaca.jsonl.gz"
+    alpaca.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    out = tmp_path / "run"
+    overrides = base_overrides(tiny_chat_model, "x", None, out, **{
+        "data.train_files": f"[{sharegpt},{alpaca}]", "data.bad_rows": "skip", "trainer.total_steps": 1,
+        "data.train_batch_size": 32,
+        "trainer.export_hf": "false"})
+    assert_ok(run_cli("hpsft.train", overrides))
+    [step] = [m for m in read_metrics(out) if "train/loss" in m]
+    # Both sources in the step (per-source counts are logged under the files' names), the loss finite.
+    assert step["train/loss_tokens/sharegpt"] > 0 and step["train/loss_tokens/alpaca.jsonl"] > 0
+    assert step["train/loss"] == step["train/loss"] and step["train/loss"] > 0
+
+    assert inspect_data([f"model.path={tiny_chat_model}", f"data.train_files=[{alpaca}]", "--rows", "5",
+                         "--color", "never"]) == 0
+    shown = capsys.readouterr().out.split("=== ")[1:6]
+    assert len(shown) == 5
+    for text, conversation in zip(shown, conversations):
+        marked = re.findall(r"\[\[(.*?)\]\]", text, flags=re.S)
+        assert marked == [m["content"] + "<|im_end|>" for m in conversation if m["role"] == "assistant"]
