@@ -99,7 +99,7 @@ CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"c
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({"text": "hi"}, "row has neither 'messages' nor 'prompt'/'response'"),
+        ({"text": "hi"}, "row matches no known layout (keys: ['text'])"),
         ({"messages": []}, "empty conversation"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
         ({"messages": [{"role": "user", "content": 3}]}, "content must be a string"),

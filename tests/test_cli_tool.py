@@ -42,7 +42,7 @@ def test_inspect_data_marks_exactly_the_loss_mask(tmp_path, model_path, tokenize
     rows = chat_rows[:6]
     train = write_parquet([{"messages": c} for c in rows], tmp_path / "train.parquet")
     proc = hpsft("inspect-data", f"model.path={model_path}", f"data.train_files=[{train}]", "data.max_length=40",
-                 "--rows", "3", "--color", "never")
+                 "data.truncation=error", "--rows", "3", "--color", "never")  # rows shown whole
     assert proc.returncode == 0, proc.stderr[-2000:]
     shown = re.split(r"^=== .* row (\d+): .*$", proc.stdout, flags=re.M)
     for row_idx, text in zip(shown[1::2], shown[2::2]):

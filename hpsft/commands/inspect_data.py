@@ -20,7 +20,8 @@ from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.inspection import COLOR_MARKS, PLAIN_MARKS, input_files, length_report, marked_text
 from hpsft.data.row_sequences import OverMaxLength, row_sequences
-from hpsft.data.rows import TokenizeOptions, read_rows
+from hpsft.data.rows import TokenizeOptions
+from hpsft.data.shards import read_rows
 from hpsft.models.loading import check_model_path, load_tokenizer
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 

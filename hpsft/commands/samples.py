@@ -15,7 +15,9 @@ from pathlib import Path
 
 from hpsft.commands import command_parser
 from hpsft.config import load_config
-from hpsft.data.rows import TokenizeOptions, read_rows, row_to_messages
+from hpsft.data.layouts import row_messages
+from hpsft.data.rows import TokenizeOptions
+from hpsft.data.shards import read_rows
 from hpsft.models.generation import generate_replies, load_for_generation, model_folder
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
@@ -24,9 +26,9 @@ def held_out_prompts(path: Path, n: int, opts: TokenizeOptions) -> list[tuple[st
     """(first user message, the assistant reply after it) of the first n conversations that have both."""
     pairs = []
     for row in read_rows(path):
-        messages, _ = row_to_messages(row, opts)
+        messages, _ = row_messages(row, opts)
         for i, message in enumerate(messages[:-1]):
-            if message["role"] == "user" and messages[i + 1]["role"] == "assistant":
+            if message["role"] == "user" and messages[i + 1]["role"] == "assistant" and "content" in messages[i + 1]:
                 pairs.append((message["content"], messages[i + 1]["content"]))
                 break
         if len(pairs) == n:

@@ -13,6 +13,10 @@ from pathlib import PurePath
 from typing import Any, Optional
 
 
+# data.layout's values: hpsft/data/layouts.py's LAYOUTS, and auto (tests/test_row_layouts.py holds them equal).
+ROW_LAYOUTS = ("auto", "messages", "sharegpt", "alpaca", "prompt_response", "prompt_completion")
+
+
 def check_choice(section: str, name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{section}.{name}={value!r} is not one of {sorted(choices)}")
@@ -169,15 +173,25 @@ class DataConfig:
     # the demo's); a default would silently validate other data on the demo's split.
     val_files: list[Any] = field(default_factory=list)  # entries as train_files, without weights
     custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
-    messages_key: str = "messages"  # multi-turn chat rows (OpenAI style)
-    prompt_key: str = "prompt"  # single-turn rows, used when a row has no messages_key
-    response_key: str = "response"
+    # The rows' layout: auto (found from each row's keys) | messages | sharegpt | alpaca |
+    # prompt_response | prompt_completion; docs/data.md "Row layouts", hpsft/data/layouts.py.
+    layout: str = "auto"
+    # Column keys (LLaMA-Factory's dataset_info `columns`): None reads the layout's own column.
+    messages_key: Optional[str] = None  # the chat turns (messages / conversations)
+    role_key: Optional[str] = None  # a turn's speaker (role / from)
+    content_key: Optional[str] = None  # a turn's text (content / value)
+    prompt_key: Optional[str] = None  # single-turn rows: prompt / instruction
+    query_key: Optional[str] = None  # appended to the prompt (Alpaca's input)
+    response_key: Optional[str] = None  # response / output / completion
+    system_key: Optional[str] = None  # a system prompt column (ShareGPT's, Alpaca's system)
+    history_key: Optional[str] = None  # earlier [prompt, response] pairs (Alpaca's history)
     tools_key: str = "tools"  # optional per-row tool schemas passed to the chat template
     chat_template: Optional[str] = None  # Jinja text or a .jinja file path, overriding the tokenizer's
     max_length: int = 1024
-    # A row longer than max_length: error | left | right (cut tokens) | turns (its leading whole
-    # turns) | split (several sequences cut at turn boundaries); docs/data.md "Long conversations".
-    truncation: str = "error"
+    # A row longer than max_length: turns (its leading whole turns; a row no turn of which fits
+    # is dropped and counted) | split (several sequences cut at turn boundaries) | error |
+    # left | right (cut tokens); docs/data.md "Long conversations".
+    truncation: str = "turns"
     # auto | whole | per_turn: one sequence per conversation, or one per assistant turn as the
     # template writes it when that turn is generated (auto: per turn when the template rewrites
     # past turns); docs/data.md "Templates that rewrite history".
@@ -200,6 +214,7 @@ class DataConfig:
     def __post_init__(self):
         check_choice("data", "truncation", self.truncation, {"error", "left", "right", "turns", "split"})
         check_choice("data", "multiturn", self.multiturn, {"auto", "whole", "per_turn"})
+        check_choice("data", "layout", self.layout, set(ROW_LAYOUTS))
         check_choice("data", "bad_rows", self.bad_rows, {"error", "skip"})
         check_choice("data", "balance", self.balance, {"tokens", "attention"})
         for name in ("max_length", "train_batch_size", "micro_batch_size_per_gpu", "max_tokens_per_micro_batch",

@@ -14,7 +14,8 @@ import re
 
 MASK = "***"
 SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey"}
-COLUMN_NAME_KEYS = {"data.messages_key", "data.prompt_key", "data.response_key", "data.tools_key"}
+COLUMN_NAME_KEYS = {f"data.{name}_key" for name in ("messages", "role", "content", "prompt", "query", "response",
+                                                    "system", "history", "tools")}
 URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/@:\s]*:)[^/@\s]+(?P<tail>@)")
 
 

@@ -17,8 +17,9 @@ from hpsft.data.chat_messages import BadRow, normalize_messages, normalize_tools
 from hpsft.data.inspection import percentile
 from hpsft.data.preparation import DEFAULT_SHARD_MB, WORKER_STATE, LocalRunner, init_worker, prepare, worker_pool
 from hpsft.data.row_sequences import row_conversations
-from hpsft.data.rows import TokenizeOptions, UnreadableRow, drop_nulls, read_rows, row_to_messages
-from hpsft.data.sharegpt import is_sharegpt, sharegpt_messages
+from hpsft.data.layouts import HOUSE_LAYOUT, row_messages
+from hpsft.data.rows import TokenizeOptions, UnreadableRow
+from hpsft.data.shards import compression, data_suffix, entry_rows, expand_entry
 from hpsft.utils.errors import UserInputError
 
 DROP_REASONS = ("malformed", "empty", "duplicate", "over_max_length")
@@ -32,51 +33,22 @@ class Dropped(Exception):
         self.counts = counts or Counter()  # the data stage's counts of a row dropped for its length
 
 
-def is_dataset_folder(path: Path) -> bool:
-    """A folder written by `datasets`' save_to_disk (a DatasetDict, or one Dataset)."""
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-
-
-def load_dataset_folder(path: Path, split: str | None):
-    try:
-        import datasets
-    except ImportError:
-        raise UserInputError(f"{path} is a Hugging Face datasets folder: reading it needs the datasets package "
-                             "(pip install 'hpsft[data]')") from None
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        names = list(loaded)
-        name = split or ("train" if "train" in loaded else names[0] if len(names) == 1 else None)
-        if name not in loaded:
-            raise UserInputError(f"{path} holds the splits {names}: choose one with --split")
-        return loaded[name]
-    if split is not None:
-        raise UserInputError(f"--split {split}: {path} holds one Dataset, not a DatasetDict of splits; drop --split")
-    return loaded
-
-
 def input_rows(path: Path, split: str | None):
-    """(row count or None when unknown before reading, iterator of (where, row))."""
-    if path.is_dir():
-        if not is_dataset_folder(path):
-            raise UserInputError(f"{path} is a folder but not one written by datasets' save_to_disk (no "
-                                 "dataset_dict.json or state.json in it): give data files or such a folder")
-        dataset = load_dataset_folder(path, split)
+    """(row count or None when unknown before reading, iterator of (where, row)): the files
+    (or datasets folder) `path` names, read by the data stage's readers (data/shards.py)."""
+    counts = [parquet_rows(f) for f in expand_entry(str(path), split)]
+    return (None if None in counts else sum(counts)), entry_rows(path, split)
 
-        def rows():
-            # Arrow batches: a struct column gives every row every key seen in it (as None), like parquet.
-            for i, row in enumerate(r for batch in dataset.with_format("arrow").iter(1000) for r in batch.to_pylist()):
-                yield f"{path} row {i}", drop_nulls(row)
-        return len(dataset), rows()
-    if not path.exists():
-        raise UserInputError(f"{path} does not exist")
-    count = None
-    if path.suffix.lower() == ".parquet":
-        try:
-            count = pq.read_metadata(path).num_rows
-        except (pa.ArrowException, OSError):
-            pass  # read_rows says what is wrong with the file
-    return count, ((f"{path} row {i}", row) for i, row in enumerate(read_rows(path, unreadable="yield")))
+
+def parquet_rows(path: Path) -> int | None:
+    """The rows of a parquet file from its footer; None for other files (and a broken parquet
+    file, which its reader names)."""
+    if data_suffix(path) != ".parquet" or compression(path) is not None:
+        return None
+    try:
+        return pq.read_metadata(path).num_rows
+    except (pa.ArrowException, OSError):
+        return None
 
 
 def conversation(row, opts: TokenizeOptions) -> tuple[list[dict], list[dict] | None]:
@@ -84,9 +56,7 @@ def conversation(row, opts: TokenizeOptions) -> tuple[list[dict], list[dict] | N
     if isinstance(row, UnreadableRow):
         raise Dropped("malformed", row.reason)
     try:
-        messages, tools = row_to_messages(row, opts)
-        if is_sharegpt(messages):
-            messages = sharegpt_messages(messages)
+        messages, tools = row_messages(row, opts)
         if isinstance(messages, (list, tuple)) and not messages:
             raise Dropped("empty", "no messages")
         messages, tools = normalize_messages(messages), normalize_tools(tools)
@@ -117,15 +87,17 @@ def fitted_records(messages, tools, tokenizer,
     """The records a kept row is written as, the (tokens, supervised tokens) of the sequences
     they train, and the data stage's counts. A row within opts.max_length is written as it is;
     one over it is dropped (opts.truncation=error) or written as the conversations its turn
-    policy keeps (turns, split), history turns as context (weight 0)."""
+    policy keeps (turns, split), history turns as context (weight 0). `opts` read the house
+    layout (HOUSE_LAYOUT): the messages are the row's, already checked."""
     try:
-        fitted = row_conversations({opts.messages_key: messages, opts.tools_key: tools}, tokenizer, opts)
+        fitted = row_conversations({"messages": messages, "tools": tools}, tokenizer, opts)
     except BadRow as err:
         raise Dropped("malformed", str(err)) from None
     if fitted.dropped:
         raise Dropped("over_max_length", fitted.dropped, fitted.counts)
     longest = max(len(c.input_ids) for c in fitted.conversations)
-    if longest > opts.max_length:
+    if longest > opts.max_length:  # --truncation drop
+        fitted.counts["lost_supervised_tokens"] += sum(sum(c.loss_mask) for c in fitted.conversations)
         raise Dropped("over_max_length", f"{longest} tokens > --max-length {opts.max_length}", fitted.counts)
     lengths = [(len(c.input_ids), sum(c.loss_mask)) for c in fitted.conversations]
     if not fitted.counts["over_max_length_rows"]:
@@ -198,7 +170,8 @@ def kept_rows(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: 
     if tokenizer is None:
         kept = [[parquet_record(messages, tools)] for _, messages, tools in checked()]
     else:
-        for where, fitted, dropping in fitted_rows(checked(), tokenizer, opts, num_proc):
+        house_opts = dataclasses.replace(opts, **HOUSE_LAYOUT)
+        for where, fitted, dropping in fitted_rows(checked(), tokenizer, house_opts, num_proc):
             if dropping is not None:
                 drop(where, *dropping)
                 continue
@@ -254,6 +227,7 @@ def report_text(report: dict) -> str:
         lines.append(f"tokens per sequence of the kept rows ({report['tokenizer']}): "
                      + ", ".join(f"{k}={v}" for k, v in lengths.items()))
         if report["counts"]:
+            lines.append(long_rows_text(report))
             lines.append(f"counts (--truncation {report['truncation']}): "
                          + ", ".join(f"{k}={v}" for k, v in report["counts"].items()))
     lines += [f"{path} ({n} rows)" for path, n in report["written"].items()]
@@ -262,12 +236,23 @@ def report_text(report: dict) -> str:
     return "\n".join(lines)
 
 
+def long_rows_text(report: dict) -> str:
+    """What --truncation did to the rows over --max-length, and the supervised tokens it cost."""
+    counts, lengths = report["counts"], report["token_lengths"]
+    lost = counts.get("lost_supervised_tokens", 0)
+    share = lost / max(1, lengths["supervised"] + lost)
+    return (f"{counts.get('over_max_length_rows', 0)} rows over --max-length {report['max_length']} (--truncation "
+            f"{report['truncation']}): {counts.get('turns_rows', 0)} cut to their leading turns, "
+            f"{counts.get('split_rows', 0)} split into {counts.get('split_sequences', 0)} rows, "
+            f"{report['dropped']['over_max_length']} dropped; {lost} supervised tokens lost ({share:.1%})")
+
+
 def write_store(path: Path, tokenizer, opts: TokenizeOptions, num_proc: int, shard_mb: float) -> dict:
     """The token store of a written parquet file, beside it (<name>.store/), through the data
     stage the trainer runs (hpsft/data/preparation.py): a training job names it in
     data.train_files and tokenizes nothing. The rows already fit --max-length, so the store's
     options refuse a row over it rather than cut it."""
-    store_opts = dataclasses.replace(opts, truncation="error", bad_rows="error")
+    store_opts = dataclasses.replace(opts, **HOUSE_LAYOUT, truncation="error", bad_rows="error")
     store_dir = path.with_suffix(".store")
     store_dir.mkdir(exist_ok=True)
     _, manifest = prepare(str(path), tokenizer, store_opts, store_dir.parent, LocalRunner(num_proc),

@@ -1,6 +1,6 @@
 """One row -> the sequences it trains.
 
-1. Its conversation (hpsft/data/rows.py) rendered and masked by the chat template
+1. Its conversation (hpsft/data/layouts.py) rendered and masked by the chat template
    (hpsft/data/chat_tokenize.py): one sequence of the whole conversation, or one per
    supervised assistant turn as the template writes it when that turn is generated
    (data.multiturn; `auto` does so when the template rewrites earlier turns).
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
 from hpsft.data.chat_tokenize import EncodedConversation, HistoryRewritten, PREFIX_MISMATCH, RenderedConversation, \
     TemplateRenderer, encode_rendered, render_conversation
-from hpsft.data.rows import TokenizeOptions, row_to_messages
+from hpsft.data.layouts import row_messages
+from hpsft.data.rows import TokenizeOptions
 
 TURN_POLICIES = ("turns", "split")  # the truncation policies that cut only between turns
 
@@ -80,8 +81,10 @@ def fitted_to_max_length(fitted: RowConversations, opts: TokenizeOptions) -> Row
             return OverMaxLength(f"sequence has {longest} tokens > data.max_length={opts.max_length} (raise "
                                  "data.max_length or set data.truncation=turns|split|left|right)")
         keep = slice(-opts.max_length, None) if opts.truncation == "left" else slice(0, opts.max_length)
+        supervised = sum(sum(mask) for _, mask in sequences)
         sequences = [(ids[keep], mask[keep]) for ids, mask in sequences]
         fitted.counts["cut_rows"] += 1
+        fitted.counts["lost_supervised_tokens"] += supervised - sum(sum(mask) for _, mask in sequences)
     return RowSequences(sequences, fitted.dropped, dict(fitted.counts))
 
 
@@ -123,7 +126,7 @@ def rows_conversations(rows: list, tokenizer, opts: TokenizeOptions) -> list[Row
     pending = []  # per row: (messages, encoder, its whole rendering or None) or its BadRow
     for row in rows:
         try:
-            messages, tools = row_to_messages(row, opts)
+            messages, tools = row_messages(row, opts)
             messages, tools = normalize_messages(messages), normalize_tools(tools)
             encoder = Encoder(tokenizer, tools, opts.chat_template)
             pending.append((messages, encoder, whole_rendering(encoder, messages, opts)))
@@ -318,6 +321,10 @@ def whole_conversation(encode, messages: list[dict], whole: EncodedConversation,
         return RowConversations([whole], counts=counts)
     policy = leading_turns if opts.truncation == "turns" else split_turns
     conversations, dropped_turns = policy(encode, TurnLayout.of(messages, whole), opts.max_length)
+    # History turns are context (weight 0): what is trained in no sequence is what is lost.
+    lost = sum(whole.loss_mask) - sum(sum(c.loss_mask) for c in conversations)
+    if lost:
+        counts["lost_supervised_tokens"] = lost
     return counted(RowConversations(conversations, counts=counts), dropped_turns, opts)
 
 
@@ -335,10 +342,12 @@ def per_turn_conversations(encoder: Encoder, messages: list[dict], opts: Tokeniz
         if len(conversation.input_ids) > opts.max_length:
             counts["over_max_length_rows"] = 1
             if opts.truncation in TURN_POLICIES:
-                conversation = shortest_history(encoder, history, opts) if opts.truncation == "split" else None
-                if conversation is None:
+                fitted = shortest_history(encoder, history, opts) if opts.truncation == "split" else None
+                if fitted is None:
                     dropped_turns += 1
+                    counts["lost_supervised_tokens"] += sum(conversation.loss_mask)
                     continue
+                conversation = fitted
         conversations.append(conversation)
     if len(targets) > 1:
         counts.update(per_turn_rows=1, per_turn_sequences=len(targets),

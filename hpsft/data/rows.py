@@ -1,19 +1,12 @@
-"""Rows of the data files: parquet, JSONL or JSON-array files read row by row, and a row's
-conversation (messages and tools) under the options of the data section.
-
-A row is either multi-turn (`messages`, optional `tools`) or single-turn
-(`prompt`/`response`); the keys are configurable.
+"""The options of the data section that turn rows into sequences, and what the readers of
+data files (hpsft/data/shards.py) share. A row's layout (OpenAI messages,
+ShareGPT, Alpaca, prompt/response, prompt/completion) and its column keys: hpsft/data/layouts.py.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from hpsft.data.chat_messages import BadRow
 from hpsft.utils.errors import UserInputError
 
 
@@ -23,15 +16,21 @@ class DataError(UserInputError):
 
 @dataclass(frozen=True)
 class TokenizeOptions:
-    messages_key: str
-    prompt_key: str
-    response_key: str
+    messages_key: str | None  # None: the row layout's own column (hpsft/data/layouts.py)
+    prompt_key: str | None
+    response_key: str | None
     tools_key: str
     chat_template: str | None
     max_length: int
     truncation: str  # error | left | right | turns | split
     bad_rows: str  # error | skip
     multiturn: str = "auto"  # auto | whole | per_turn
+    layout: str = "auto"  # auto | messages | sharegpt | alpaca | prompt_response | prompt_completion
+    role_key: str | None = None
+    content_key: str | None = None
+    query_key: str | None = None
+    system_key: str | None = None
+    history_key: str | None = None
 
     @classmethod
     def from_data_config(cls, cfg) -> "TokenizeOptions":
@@ -61,76 +60,5 @@ def drop_nulls(value):
 
 
 class UnreadableRow(NamedTuple):
-    """A JSONL line that is not JSON, yielded in its row's place by read_rows(path, unreadable="yield")."""
+    """A JSONL line that is not JSON, yielded in its row's place (shards.entry_rows)."""
     reason: str
-
-
-def read_rows(path: Path, unreadable: str = "error"):
-    """Yield the rows of a parquet, JSONL or JSON file (an array of rows, or one a line).
-    A JSONL line that is not JSON stops with an error, or with unreadable="yield" comes as an
-    UnreadableRow (for hpsft prepare-data, which counts and drops it).
-
-    Parquet stores a column of dicts as one struct type holding every key seen in the column,
-    so a key a row lacks comes back as None (`tool_calls` on a user message, the argument names
-    of other rows' tool calls, other tools' parameters): such Nones are dropped, giving back the
-    rows as written. A null you mean to keep (in tool arguments or schemas) must be stored in a
-    JSON string.
-    """
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowException, OSError) as err:
-            raise DataError(f"{path} is not a readable parquet file ({err}): rewrite it, or convert it to "
-                            ".jsonl") from None
-        for batch in table.to_batches():
-            yield from (drop_nulls(row) for row in batch.to_pylist())
-    elif suffix in (".jsonl", ".json"):
-        try:
-            yield from json_rows(path, unreadable)
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}: not UTF-8 text ({err.reason}: {err.object[err.start:err.start + 4]!r}); "
-                            "re-encode the file as UTF-8") from None
-    else:
-        raise DataError(f"data file {path}: unsupported format {suffix!r} (use .parquet, .jsonl or .json)")
-
-
-def json_rows(path: Path, unreadable: str = "error"):
-    """One JSON row a line (JSONL), or one JSON array of rows (what a .json file often holds)."""
-    with open(path, encoding="utf-8") as f:
-        first = f.read(4096).lstrip()
-        f.seek(0)
-        if first.startswith("["):
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {err.lineno}: not valid JSON ({err.msg}); a .json file holds one "
-                                "JSON array of rows, or one row a line") from None
-            yield from rows
-            return
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as err:
-                if unreadable == "yield":
-                    yield UnreadableRow(f"not valid JSON ({err.msg})")
-                    continue
-                raise DataError(f"{path} row {i}: not valid JSON ({err.msg})") from None
-
-
-def row_to_messages(row: dict, opts: TokenizeOptions):
-    if not isinstance(row, dict):
-        raise BadRow(f"row must be an object, got {type(row).__name__}")
-    if row.get(opts.messages_key) is not None:
-        return row[opts.messages_key], row.get(opts.tools_key)
-    if opts.prompt_key in row and opts.response_key in row:
-        prompt, response = row[opts.prompt_key], row[opts.response_key]
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None
-    raise BadRow(
-        f"row has neither '{opts.messages_key}' nor '{opts.prompt_key}'/'{opts.response_key}' "
-        f"(keys: {sorted(row)})"
-    )

@@ -1,22 +1,28 @@
 """The inputs of one data source cut into shards: the units the data stage tokenizes in
 parallel, caches and resumes one by one.
 
-An entry of data.train_files / data.val_files names a file, a folder (every .parquet,
-.jsonl and .json file under it, recursively, in path order; hidden files and token stores
-skipped) or a glob
-(`data/part-*.parquet`, `data/**/*.jsonl`). Each file is cut into shards of about
-`shard_bytes` bytes of input, read without holding the file in memory:
+An entry of data.train_files / data.val_files names a file, a folder (every data file
+under it, recursively, in path order; hidden files and token stores skipped; a folder written
+by Hugging Face `datasets`' save_to_disk: its .arrow files) or a glob
+(`data/part-*.parquet`, `data/**/*.jsonl`). Data files: .parquet, .jsonl, .json (an array of
+rows, or one a line), and .jsonl/.json compressed by gzip (.gz) or zstd (.zst). Each file is
+cut into shards of about `shard_bytes` bytes of input, read without holding the file in memory:
 - parquet: ranges of rows (rows per shard from the file's bytes per row), read by row group;
 - JSONL (and .json files with one row a line): byte ranges that start and end at line
   boundaries, read line by line; the plan counts the lines before each range, so rows are
   still named by their line in the file;
-- a .json file holding one JSON array is one shard, parsed whole (convert a big one to JSONL).
+- a .json file holding one JSON array is one shard, parsed whole (convert a big one to JSONL);
+- a compressed file is one shard (a compressed stream cannot be entered mid-way), read as a
+  stream (pyarrow's gzip and zstd codecs: no other package);
+- a datasets .arrow file (an Arrow IPC stream) is one shard, read batch by batch.
 Every process computes the same plan from the files alone (no communication).
 """
 
 import glob
+import io
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +31,9 @@ import pyarrow.parquet as pq
 
 from hpsft.data.rows import DataError, UnreadableRow, drop_nulls
 
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # and .jsonl/.json compressed (COMPRESSIONS)
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
+FORMATS = ".parquet, .jsonl, .json, .jsonl.gz/.json.gz, .jsonl.zst/.json.zst or a datasets save_to_disk folder"
 SCAN_BLOCK = 16 << 20  # bytes read at a time when a JSONL file's lines are counted
 JSON_PROBE = 4096  # bytes read to tell a JSON array file from JSONL
 
@@ -33,33 +41,75 @@ JSON_PROBE = 4096  # bytes read to tell a JSON array file from JSONL
 @dataclass(frozen=True)
 class Shard:
     path: str
-    kind: str  # parquet | jsonl | json_array
-    start: int  # parquet: first row; jsonl: first byte; json_array: 0
-    stop: int  # parquet: row after the last; jsonl: byte after the last; json_array: the file's size
+    kind: str  # parquet | jsonl | json_array | arrow
+    start: int  # parquet: first row; jsonl: first byte; json_array, arrow: 0
+    stop: int  # parquet: row after the last; jsonl: byte after the last; json_array, arrow: the file's size
     first_row: int  # the row number (parquet row, JSONL line) of the shard's first row
     input_bytes: int  # bytes of input it covers (for parquet, its share of the file): what progress counts
 
 
-def expand_entry(entry: str) -> list[Path]:
-    """The data files an entry of data.train_files names, in a fixed order."""
+def expand_entry(entry: str, split: str | None = None) -> list[Path]:
+    """The data files an entry of data.train_files names, in a fixed order; `split`: the split
+    of a datasets DatasetDict folder (default train, or its only split)."""
     path = Path(entry)
     if path.is_file():
         return [path]
+    if path.is_dir() and is_dataset_folder(path):
+        return dataset_files(path, split)
+    if split is not None:
+        raise DataError(f"--split {split}: {path} is not a datasets DatasetDict folder; drop --split")
     if path.is_dir():
         files = sorted(data_files_under(path))
         if not files:
-            raise DataError(f"data folder {path} holds no .parquet, .jsonl or .json file")
+            raise DataError(f"data folder {path} holds no data file ({FORMATS})")
         return files
     if glob.has_magic(entry):
         files = sorted(Path(p) for p in glob.glob(entry, recursive=True) if Path(p).is_file())
         if not files:
             raise DataError(f"data files {entry!r}: the pattern matches no file")
-        unsupported = [str(p) for p in files if p.suffix.lower() not in DATA_SUFFIXES]
+        unsupported = [str(p) for p in files if data_suffix(p) not in DATA_SUFFIXES]
         if unsupported:
-            raise DataError(f"data files {entry!r} match {unsupported[:3]}: unsupported format (use .parquet, "
-                            ".jsonl or .json)")
+            raise DataError(f"data files {entry!r} match {unsupported[:3]}: unsupported format (use {FORMATS})")
         return files
     raise DataError(f"data file {path} does not exist")
+
+
+def data_suffix(path: Path) -> str:
+    """.parquet, .jsonl, .json: the format, under a compression suffix (rows.jsonl.gz -> .jsonl)."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        return suffixes[-2] if len(suffixes) > 1 else ""
+    return path.suffix.lower()
+
+
+def compression(path: Path) -> str | None:
+    return COMPRESSIONS.get(path.suffix.lower())
+
+
+def open_bytes(path: Path):
+    """The file's bytes, decompressed when its suffix says so."""
+    codec = compression(path)
+    return open(path, "rb") if codec is None else io.BufferedReader(pa.input_stream(str(path), compression=codec))
+
+
+def is_dataset_folder(path: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (a DatasetDict, or one Dataset)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def dataset_files(path: Path, split: str | None) -> list[Path]:
+    """The .arrow files of a save_to_disk folder (read with pyarrow: `datasets` is not needed)."""
+    if (path / "dataset_dict.json").is_file():
+        names = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        name = split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
+        if name not in names:
+            raise DataError(f"{path} holds the splits {names}: choose one with --split (prepare-data) or name "
+                            f"its folder ({path / names[0]})")
+        return dataset_files(path / name, None)
+    if split is not None:
+        raise DataError(f"--split {split}: {path} holds one Dataset, not a DatasetDict of splits; drop --split")
+    state = json.loads((path / "state.json").read_text())
+    return [path / item["filename"] for item in state["_data_files"]]
 
 
 def data_files_under(folder: Path):
@@ -67,16 +117,30 @@ def data_files_under(folder: Path):
     data.cache_dir inside the data folder holds JSON sidecars that are no data)."""
     for root, dirs, names in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if is_dataset_folder(Path(root)):  # its .json files describe the .arrow ones
+            dirs[:] = []
+            yield from dataset_files(Path(root), None)
+            continue
         if any(name.startswith("shard-") and name.endswith(".arrow") for name in names):
             continue
         dirs[:] = [d for d in dirs if not (Path(root) / d / "store.json").is_file()]
         yield from (Path(root) / name for name in names
-                    if not name.startswith(".") and Path(name).suffix.lower() in DATA_SUFFIXES)
+                    if not name.startswith(".") and data_suffix(Path(name)) in DATA_SUFFIXES)
+
+
+def unreadable_compressed(path: Path, err: Exception) -> Exception:
+    """The error a compressed file that cannot be decompressed raises (others: their own)."""
+    if compression(path) is None:
+        return err
+    return DataError(f"{path}: not readable as {compression(path)} ({err}): compress it again")
 
 
 def is_json_array(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(JSON_PROBE).lstrip().startswith(b"[")
+    try:
+        with open_bytes(path) as f:
+            return f.read(JSON_PROBE).lstrip().startswith(b"[")
+    except (pa.ArrowException, OSError) as err:
+        raise unreadable_compressed(path, err) from None
 
 
 def parquet_shards(path: Path, shard_bytes: int) -> list[Shard]:
@@ -115,16 +179,44 @@ def jsonl_shards(path: Path, shard_bytes: int) -> list[Shard]:
 
 
 def file_shards(path: Path, shard_bytes: int) -> list[Shard]:
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
+    suffix, size = data_suffix(path), path.stat().st_size
+    if suffix == ".parquet" and compression(path) is None:
         return parquet_shards(path, shard_bytes)
+    if suffix == ".arrow" and path.parent.joinpath("state.json").is_file():
+        return [Shard(str(path), "arrow", 0, size, 0, size)]
     if suffix not in (".jsonl", ".json"):
-        raise DataError(f"data file {path}: unsupported format {suffix!r} (use .parquet, .jsonl or .json)")
-    if path.stat().st_size == 0:
+        raise DataError(f"data file {path}: unsupported format {''.join(path.suffixes)!r} (use {FORMATS})")
+    if size == 0:
         return []
     if suffix == ".json" and is_json_array(path):
-        return [Shard(str(path), "json_array", 0, path.stat().st_size, 0, path.stat().st_size)]
+        return [Shard(str(path), "json_array", 0, size, 0, size)]
+    if compression(path) is not None:
+        return [Shard(str(path), "jsonl", 0, size, 0, size)]
     return jsonl_shards(path, shard_bytes)
+
+
+def entry_rows(entry, split: str | None = None):
+    """("<file> row <n>", row) for every row of the files an entry names, in order, one shard a
+    file (for the readers outside the data stage: prepare-data, inspect-data, samples). A JSONL
+    line that is not JSON comes as an UnreadableRow.
+
+    Parquet (and Arrow) store a column of dicts as one struct type holding every key seen in
+    the column, so a key a row lacks comes back as None (`tool_calls` on a user message, the
+    argument names of other rows' tool calls, other tools' parameters): such Nones are dropped,
+    giving back the rows as written. A null you mean to keep (in tool arguments or schemas)
+    must be stored in a JSON string."""
+    for path in expand_entry(str(entry), split):
+        for shard in file_shards(path, sys.maxsize):
+            for n, row in shard_rows(shard):
+                yield f"{path} row {n}", row
+
+
+def read_rows(entry, split: str | None = None):
+    """The rows of the files an entry names; a JSONL line that is not JSON stops with an error."""
+    for where, row in entry_rows(entry, split):
+        if isinstance(row, UnreadableRow):
+            raise DataError(f"{where}: {row.reason}")
+        yield row
 
 
 def plan_shards(files: list[Path], shard_bytes: int) -> list[Shard]:
@@ -141,11 +233,15 @@ def shard_rows(shard: Shard):
             yield from parquet_rows(path, shard)
         elif shard.kind == "json_array":
             yield from json_array_rows(path)
+        elif shard.kind == "arrow":
+            yield from arrow_rows(path)
         else:
             yield from jsonl_rows(path, shard)
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason}: {err.object[err.start:err.start + 4]!r}); "
                         "re-encode the file as UTF-8") from None
+    except (pa.ArrowException, OSError) as err:
+        raise unreadable_compressed(path, err) from None
 
 
 def parquet_rows(path: Path, shard: Shard):
@@ -176,11 +272,28 @@ def parquet_rows(path: Path, shard: Shard):
                         ".jsonl") from None
 
 
+def arrow_rows(path: Path):
+    """A datasets .arrow file's rows; like parquet's, a struct column's missing keys dropped."""
+    try:
+        with pa.memory_map(str(path)) as source:
+            row = 0
+            for batch in pa.ipc.open_stream(source):
+                for record in batch.to_pylist():
+                    yield row, drop_nulls(record)
+                    row += 1
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path} is not a readable datasets .arrow file ({err}): save the dataset again") from None
+
+
 def jsonl_rows(path: Path, shard: Shard):
-    with open(path, "rb") as f:
-        f.seek(shard.start)
+    """The shard's lines; a compressed file's shard is the whole file, its bytes counted
+    decompressed (the shard's stop counts compressed bytes)."""
+    stop = shard.stop if compression(path) is None else float("inf")
+    with open_bytes(path) as f:
+        if shard.start:
+            f.seek(shard.start)
         line_no, position = shard.first_row, shard.start
-        while position < shard.stop:
+        while position < stop:
             line = f.readline()
             if not line:
                 break
@@ -194,7 +307,7 @@ def jsonl_rows(path: Path, shard: Shard):
 
 
 def json_array_rows(path: Path):
-    with open(path, encoding="utf-8") as f:
+    with open_bytes(path) as f:
         try:
             rows = json.load(f)
         except json.JSONDecodeError as err:

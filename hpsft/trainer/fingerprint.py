@@ -105,8 +105,14 @@ def run_fingerprint(config, tokenizer) -> dict:
         **data_fingerprint(data),
         "chat template sha256": text_sha256(tokenizer.chat_template),
         **{f"data.{name}": getattr(data, name) for name in (
-            "messages_key", "prompt_key", "response_key", "tools_key", "max_length", "truncation", "bad_rows",
-            "train_batch_size", "shuffle")},
+            "tools_key", "max_length", "truncation", "bad_rows", "train_batch_size", "shuffle")},
+        # Unset (None) column keys read what these defaults read before the keys could be unset.
+        **{f"data.{name}": getattr(data, name) or default for name, default in (
+            ("messages_key", "messages"), ("prompt_key", "prompt"), ("response_key", "response"))},
+        # Absent at their defaults, so checkpoints written before the keys existed still match.
+        **{f"data.{name}": getattr(data, name) for name in (
+            "role_key", "content_key", "query_key", "system_key", "history_key") if getattr(data, name) is not None},
+        **({"data.layout": data.layout} if data.layout != "auto" else {}),
         # Absent at its default, so checkpoints written before the key existed still match.
         **({"data.multiturn": data.multiturn} if data.multiturn != "auto" else {}),
         "trainer.seed": config.trainer.seed,
