@@ -132,28 +132,33 @@ class MegatronEngine(TrainEngine):
             row["labels"] = shifted_labels(row["input_ids"][0], row["loss_mask"], row["offsets"])
         return row
 
-    def row_terms(self, row: dict, hidden: torch.Tensor, per_sequence: bool = False,
-                  sequence_nll: bool = False) -> dict:
-        """PackedCausalLM.forward's terms of a row from the last stage's final hidden states
-        [T, 1, H]: the vocabulary-parallel fused loss on this TP rank's LM-head shard (its partial
-        d(hidden) summed over TP in backward)."""
+    def head_loss(self, row: dict, hidden: torch.Tensor, reduction: str, return_correct: bool = False):
+        """The vocabulary-parallel fused loss of a row from the last stage's final hidden states
+        [T, 1, H] on this TP rank's LM-head shard (its partial d(hidden) summed over TP in
+        backward), with the row's per-position log-probabilities."""
         from megatron.core import parallel_state as ps
 
-        from hpsft.engine.megatron.model import head_shard, router_aux_loss
-        from hpsft.models.packed_causal_lm import row_terms
+        from hpsft.engine.megatron.model import head_shard
         from hpsft.ops import varlen_linear_cross_entropy
         from hpsft.ops.vocab_parallel import sum_grad_over_tp
 
         head = head_shard(self.module)
         tp = ps.get_tensor_model_parallel_group()
+        return varlen_linear_cross_entropy(
+            sum_grad_over_tp(hidden[:, 0], tp), head.weight, labels=row["labels"], ignore_index=IGNORE_INDEX,
+            reduction=reduction, return_logprobs=True, return_correct=return_correct, tp_group=tp,
+            vocab_start=head.vocab_start, vocab_size=head.vocab_size, **self.loss_options)
+
+    def row_terms(self, row: dict, hidden: torch.Tensor, per_sequence: bool = False,
+                  sequence_nll: bool = False) -> dict:
+        """PackedCausalLM.forward's terms of a row (packed_causal_lm.row_terms) from head_loss."""
+        from hpsft.engine.megatron.model import router_aux_loss
+        from hpsft.models.packed_causal_lm import row_terms
+
         labels = row["labels"]
-        out = varlen_linear_cross_entropy(
-            sum_grad_over_tp(hidden[:, 0], tp), head.weight, labels=labels, ignore_index=IGNORE_INDEX,
-            reduction="none" if per_sequence else "sum", return_logprobs=True,
-            return_correct=self.token_accuracy and not per_sequence, tp_group=tp, vocab_start=head.vocab_start,
-            vocab_size=head.vocab_size, **self.loss_options)
         if per_sequence:
-            return row_terms(out, labels, row["offsets"], per_sequence=True)
+            return row_terms(self.head_loss(row, hidden, "none"), labels, row["offsets"], per_sequence=True)
+        out = self.head_loss(row, hidden, "sum", return_correct=self.token_accuracy)
         aux = None
         if self.router_logits is not None:
             aux = router_aux_loss(self.module.hf_architecture, self.router_logits.take())
@@ -161,19 +166,13 @@ class MegatronEngine(TrainEngine):
         return row_terms(out, labels, row["offsets"], sequence_nll=sequence_nll, router_aux_loss=aux,
                          router_aux_loss_coef=self.router_aux_loss_coef, correct=correct)
 
-    def run_schedule(self, rows: list[dict], loss_of_terms, forward_only: bool, **terms_options) -> list[dict]:
-        """Megatron's schedule over `rows`, one micro-batch each: each row's terms (row_terms) on
-        the last stage, in order; [] on the other stages. loss_of_terms(terms): what is
-        back-propagated."""
+    def run_schedule(self, rows: list[dict], loss_func, forward_only: bool) -> list:
+        """Megatron's schedule over `rows`, one micro-batch each. loss_func(row, hidden) on the
+        last stage returns (what is back-propagated, a count Megatron would divide by and
+        summed_grads ignores, what to report); the reports in order there, [] elsewhere."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hpsft.engine.megatron.model import forward_packed_row
-
-        def loss_func(row, hidden):
-            terms = self.row_terms(row, hidden, **terms_options)
-            loss = loss_of_terms(terms) if not forward_only else hidden.new_zeros(())
-            # the count Megatron would divide by: summed_grads ignores it
-            return loss, torch.ones((), dtype=torch.int), detached(terms)
 
         def forward_step(data_iterator, model):
             row = next(data_iterator)
@@ -190,8 +189,11 @@ class MegatronEngine(TrainEngine):
         lr = self.set_schedule()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self.run_schedule([self.to_device(mb) for mb in micro_batches], loss_fn, forward_only=False,
-                                    sequence_nll=sequence_nll)
+        def loss_func(row, hidden):
+            terms = self.row_terms(row, hidden, sequence_nll=sequence_nll)
+            return loss_fn(terms), torch.ones((), dtype=torch.int), detached(terms)
+
+        outputs = self.run_schedule([self.to_device(mb) for mb in micro_batches], loss_func, forward_only=False)
         grad_norm = self.optimizer_step()
         self.taken += 1
         self.updates += math.isfinite(grad_norm)
@@ -230,7 +232,11 @@ class MegatronEngine(TrainEngine):
     def infer_batch(self, micro_batches) -> list:
         self.model.eval()
         rows = [self.to_device(mb) for mb in micro_batches]
-        outputs = self.run_schedule(rows, None, forward_only=True, per_sequence=True)
+        def terms_of(row, hidden):
+            terms = self.row_terms(row, hidden, per_sequence=True)
+            return hidden.new_zeros(()), torch.ones((), dtype=torch.int), detached(terms)
+
+        outputs = self.run_schedule(rows, terms_of, forward_only=True)
         if outputs:
             return outputs
         # Not the last stage: no terms here (the last stage's rank reports them, Mesh.reports_counts).
@@ -252,21 +258,14 @@ class MegatronEngine(TrainEngine):
         sequences, row = check_row(lm, vocab=lm.config.vocab_size)
         row = self.to_device(row)
         self.model.eval()
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from hpsft.engine.megatron.model import forward_packed_row
-
         error = torch.zeros((), dtype=torch.float64)
         logprobs = {}
 
-        def forward_step(data_iterator, model):
-            r = next(data_iterator)
-            return forward_packed_row(model, r["input_ids"], r["offsets"], r["max_length"]), \
-                partial(self.check_logprobs, r, logprobs)
+        def keep_logprobs(row, hidden):
+            logprobs["values"] = self.head_loss(row, hidden, "none").logprobs
+            return hidden.new_zeros(()), torch.ones((), dtype=torch.int), {}
 
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([row]), model=[self.model],
-                                    num_microbatches=1, seq_length=row["input_ids"].shape[1], micro_batch_size=1,
-                                    forward_only=True)
+        self.run_schedule([row], keep_logprobs, forward_only=True)
         if ps.is_pipeline_last_stage():
             predicting = torch.nonzero(target_mask(row["loss_mask"], row["offsets"]), as_tuple=True)[0] - 1
             ours = logprobs["values"][predicting].double().cpu()
@@ -282,20 +281,6 @@ class MegatronEngine(TrainEngine):
         if dist.get_rank() == 0:
             print(f"hpsft: megatron: the model of this layout computes the Hugging Face model's log-probabilities "
                   f"on the start-up check's row within {float(error):.1e}", flush=True)
-
-    def check_logprobs(self, row: dict, into: dict, hidden):
-        """The check's loss function: the row's per-position log-probabilities, kept in `into`."""
-        from megatron.core import parallel_state as ps
-
-        from hpsft.engine.megatron.model import head_shard
-        from hpsft.ops import varlen_linear_cross_entropy
-
-        head = head_shard(self.module)
-        out = varlen_linear_cross_entropy(hidden[:, 0], head.weight, labels=row["labels"], reduction="none",
-                                          return_logprobs=True, tp_group=ps.get_tensor_model_parallel_group(),
-                                          vocab_start=head.vocab_start, vocab_size=head.vocab_size)
-        into["values"] = out.logprobs
-        return hidden.new_zeros(()), torch.ones((), dtype=torch.int), {}
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         checkpoint.save(self, Path(root) / tag)
