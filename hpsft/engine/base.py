@@ -16,6 +16,11 @@ from torch import nn
 from hpsft.utils.distributed import Mesh
 
 
+def detached(outputs: dict) -> dict:
+    """A micro-batch's module outputs without their graphs, as EngineStep.outputs holds them."""
+    return {name: value.detach() for name, value in outputs.items()}
+
+
 @dataclass(frozen=True)
 class EngineStep:
     """What one optimizer step of an engine gives back."""

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from deepspeed.utils import groups
 from torch import nn
 
-from hpsft.engine.base import EngineStep, TrainEngine
+from hpsft.engine.base import EngineStep, TrainEngine, detached
 from hpsft.engine.deepspeed import checkpoint
 from hpsft.engine.deepspeed.config import deepspeed_config, zero_stage_to_run
 from hpsft.engine.deepspeed.head_gradient import HeadGradient
@@ -40,10 +40,6 @@ from hpsft.engine.grad_norm import global_grad_norm
 from hpsft.engine.optimizer import adamw, lr_scheduler
 from hpsft.models.tensor_parallel import ShardingCheck, sum_partial_gradients_over_tp
 from hpsft.utils.distributed import Mesh
-
-
-def detached(outputs: dict) -> dict:
-    return {name: value.detach() for name, value in outputs.items()}
 
 
 class DeepSpeedEngine(TrainEngine):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpsft.data.batch import IGNORE_INDEX, shifted_labels
-from hpsft.engine.base import EngineStep, TrainEngine
+from hpsft.engine.base import EngineStep, TrainEngine, detached
 from hpsft.engine.megatron import checkpoint
 from hpsft.engine.optimizer import lr_lambda, warmup_steps
 from hpsft.utils.distributed import Mesh
@@ -49,10 +49,6 @@ def summed_grads(model, num_tokens=None, **kwargs):
     from megatron.core.distributed import finalize_model_grads
 
     return finalize_model_grads(model, None, **kwargs)
-
-
-def detached(terms: dict) -> dict:
-    return {name: value.detach() for name, value in terms.items()}
 
 
 class MegatronEngine(TrainEngine):
