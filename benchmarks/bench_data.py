@@ -9,14 +9,17 @@ Measured in one sitting, ratios against baselines run in the same sitting:
    tokens it keeps (cut at --max-length) and the raw call all of them: the rows/s ratio
    compares like with like (on the first 3,000 ShareGPT rows at 2048, hpsft keeps 89 % of
    the tokens, so its tokens/s ratio is 0.89 of its rows/s ratio);
-3. against a `datasets.map(num_proc=2)` pipeline of the same rows through the same per-row
+3. `hpsft prepare-data` (2 processes, its default truncation: leading whole turns) against the
+   stage's 2 processes with the same truncation on the same file: the command's rows/s as a
+   share of the stage's (its time counts the tokenizer load and the parquet written);
+4. against a `datasets.map(num_proc=2)` pipeline of the same rows through the same per-row
    function (hpsft's row_sequences: the same template and masks), written to datasets' Arrow
    cache;
-4. preparation's peak RSS (the preparing process with 1 worker: ru_maxrss) at 1x and at the
+5. preparation's peak RSS (the preparing process with 1 worker: ru_maxrss) at 1x and at the
    largest --scales (the corpus repeated), same shard size;
-5. with a warm store, a one-process training run of 1 step (the 2-layer test model): its
+6. with a warm store, a one-process training run of 1 step (the 2-layer test model): its
    wall time to the end of step 1 and perf/rss_anon_gib, at 1x and at the largest scale;
-6. max/mean tokens per rank of each step's global batch, dealt every n-th vs split by
+7. max/mean tokens per rank of each step's global batch, dealt every n-th vs split by
    hpsft/data/balance.py, at 8 and 64 ranks x 8 sequences, on the store's lengths.
 
     python benchmarks/bench_data.py [--scales 1,4] [--max-length 2048] [--rows N] [--shard-mb 4] [--skip-datasets]
@@ -52,7 +55,9 @@ from hpsft.models import load_tokenizer
 
 if __name__ == "__main__":
     path, cache, num_proc, max_length, model = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    opts = TokenizeOptions("messages", "prompt", "response", "tools", None, max_length, "right", "skip")
+    # The keys as data.* defaults them (None: the layout's own column), so that first_step's run
+    # finds this store warm.
+    opts = TokenizeOptions(None, None, None, "tools", None, max_length, sys.argv[7], "skip")
     tokenizer = load_tokenizer(model)
     start = time.perf_counter()
     store = prepared_store(path, tokenizer, opts, cache, LocalRunner(num_proc), shard_mb=float(sys.argv[6]))
@@ -68,10 +73,12 @@ def env() -> dict:
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 
 
-def prepare(path: Path, cache: Path, num_proc: int, max_length: int, shard_mb: float) -> dict:
+def prepare(path: Path, cache: Path, num_proc: int, max_length: int, shard_mb: float,
+            truncation: str = "right") -> dict:
     shutil.rmtree(cache, ignore_errors=True)
     out = subprocess.run([sys.executable, "-c", PREPARE, str(path), str(cache), str(num_proc), str(max_length),
-                          str(MODEL), str(shard_mb)], env=env(), capture_output=True, text=True, check=False)
+                          str(MODEL), str(shard_mb), truncation], env=env(), capture_output=True, text=True,
+                         check=False)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -91,6 +98,32 @@ def raw_tokenizer_rate(rows: list[dict], max_rows: int) -> dict:
         tokens += sum(len(ids) for ids in tokenizer(texts[i:i + 64], add_special_tokens=False)["input_ids"])
     seconds = time.perf_counter() - start
     return {"rows": len(texts), "tokens": tokens, "seconds": seconds}
+
+
+PREPARE_DATA = """
+import json, sys, time
+from hpsft.commands.prepare_data import main
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    assert main(sys.argv[1:]) == 0
+    print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+def prepare_data_rate(path: Path, out_dir: Path, num_proc: int, max_length: int) -> dict:
+    """`hpsft prepare-data` on the same file, its default truncation (turns): the command's
+    time from its start (tokenizer load, rows read and fitted on the stage's pool, parquet
+    written), its rows from its report."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out = subprocess.run([sys.executable, "-c", PREPARE_DATA, str(path), "--out", str(out_dir), "--tokenizer",
+                          str(MODEL), "--max-length", str(max_length), "--num-proc", str(num_proc)],
+                         env=env(), capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(out.stderr[-3000:])
+    report = json.loads((out_dir / "report.json").read_text())
+    return {"seconds": json.loads(out.stdout.strip().splitlines()[-1])["seconds"], "rows": report["rows_read"],
+            "kept": report["rows_kept"]}
 
 
 DATASETS_MAP = """
@@ -202,6 +235,13 @@ def main() -> None:
     print(f"| raw tokenizer batch call, 1 process ({raw['rows']} rows) | {raw['rows'] / raw['seconds']:.0f} | "
           f"{raw_rate:.0f} | hpsft 1 process = {one['tokens'] / one['seconds'] / raw_rate:.2f}x of its tokens/s, "
           f"{one['rows'] / one['seconds'] / (raw['rows'] / raw['seconds']):.2f}x of its rows/s |")
+    # prepare-data against the stage on the same rows, both with truncation=turns (prepare-data's
+    # default) and 2 processes: the command's rows/s as a share of the stage's (issue 39: >= 0.9).
+    stage = prepare(base, args.work / "cache-p2-turns", 2, args.max_length, args.shard_mb, truncation="turns")
+    command = prepare_data_rate(base, args.work / "prepare-data", 2, args.max_length)
+    print(f"| hpsft prepare-data, 2 processes, truncation turns ({command['kept']} of {command['rows']} rows kept) | "
+          f"{command['rows'] / command['seconds']:.0f} | | {stage['seconds'] / command['seconds']:.2f}x of the stage's "
+          f"rows/s ({stage['rows'] / stage['seconds']:.0f}, 2 processes, truncation turns) |")
     if not args.skip_datasets:
         ds = datasets_map_rate(base, args.work / "hf-cache", args.max_length)
         print(f"| datasets.map(num_proc=2), same row function | {ds['rows'] / ds['seconds']:.0f} | "
