@@ -73,15 +73,19 @@ def env() -> dict:
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 
 
-def prepare(path: Path, cache: Path, num_proc: int, max_length: int, shard_mb: float,
-            truncation: str = "right") -> dict:
-    shutil.rmtree(cache, ignore_errors=True)
-    out = subprocess.run([sys.executable, "-c", PREPARE, str(path), str(cache), str(num_proc), str(max_length),
-                          str(MODEL), str(shard_mb), truncation], env=env(), capture_output=True, text=True,
+def run_snippet(code: str, *args) -> dict:
+    """Runs one of this file's measuring snippets in a fresh process: the JSON of its last line."""
+    out = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env(), capture_output=True, text=True,
                          check=False)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def prepare(path: Path, cache: Path, num_proc: int, max_length: int, shard_mb: float,
+            truncation: str = "right") -> dict:
+    shutil.rmtree(cache, ignore_errors=True)
+    return run_snippet(PREPARE, path, cache, num_proc, max_length, MODEL, shard_mb, truncation)
 
 
 def raw_tokenizer_rate(rows: list[dict], max_rows: int) -> dict:
@@ -116,14 +120,10 @@ def prepare_data_rate(path: Path, out_dir: Path, num_proc: int, max_length: int)
     time from its start (tokenizer load, rows read and fitted on the stage's pool, parquet
     written), its rows from its report."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    out = subprocess.run([sys.executable, "-c", PREPARE_DATA, str(path), "--out", str(out_dir), "--tokenizer",
-                          str(MODEL), "--max-length", str(max_length), "--num-proc", str(num_proc)],
-                         env=env(), capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise SystemExit(out.stderr[-3000:])
+    seconds = run_snippet(PREPARE_DATA, path, "--out", out_dir, "--tokenizer", MODEL, "--max-length", max_length,
+                          "--num-proc", num_proc)["seconds"]
     report = json.loads((out_dir / "report.json").read_text())
-    return {"seconds": json.loads(out.stdout.strip().splitlines()[-1])["seconds"], "rows": report["rows_read"],
-            "kept": report["rows_kept"]}
+    return {"seconds": seconds, "rows": report["rows_read"], "kept": report["rows_kept"]}
 
 
 DATASETS_MAP = """
@@ -153,11 +153,7 @@ if __name__ == "__main__":
 
 def datasets_map_rate(path: Path, cache: Path, max_length: int) -> dict:
     shutil.rmtree(cache, ignore_errors=True)
-    out = subprocess.run([sys.executable, "-c", DATASETS_MAP, str(path), str(cache), str(max_length), str(MODEL)],
-                         env=env(), capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise SystemExit(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_snippet(DATASETS_MAP, path, cache, max_length, MODEL)
 
 
 def first_step(path: Path, cache: Path, out_dir: Path, max_length: int, shard_mb: float) -> dict:
