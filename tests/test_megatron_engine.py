@@ -76,6 +76,8 @@ def test_megatron_engine_config_refuses_what_it_has_not(keys, message):
         EngineConfig(name="megatron", **keys)
 
 
-def test_megatron_engine_refuses_lora():
+def test_megatron_engine_refuses_lora_and_dora():
     with pytest.raises(ValueError, match="model.lora.rank=8 with engine.name=megatron"):
         load_config(None, ["engine.name=megatron", "model.lora.rank=8"])
+    with pytest.raises(ValueError, match="model.lora.rank=8, model.lora.use_dora=true with engine.name=megatron"):
+        load_config(None, ["engine.name=megatron", "model.lora.rank=8", "model.lora.use_dora=true"])

@@ -37,6 +37,9 @@ class LoraConfig:
     # Module names (or name suffixes) to adapt, as PEFT takes them; all-linear: every linear
     # layer of the decoder (never the LM head, which hpsft's fused loss reads as a weight).
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # DoRA (PEFT's use_dora): each adapted weight is a trained magnitude per output times the
+    # direction of W + B @ A (docs/lora.md: DoRA).
+    use_dora: bool = False
 
     def __post_init__(self):
         check_positive("model.lora", "rank", self.rank, allow_zero=True)
@@ -48,6 +51,8 @@ class LoraConfig:
         if "all-linear" in self.target_modules and len(self.target_modules) > 1:
             raise ValueError(f"model.lora.target_modules={list(self.target_modules)}: all-linear already names "
                              "every linear layer; give it alone or list module names without it")
+        if self.use_dora and not self.rank:
+            raise ValueError("model.lora.use_dora=true needs model.lora.rank > 0 (DoRA trains LoRA adapters)")
         if self.rank and importlib.util.find_spec("peft") is None:
             raise ValueError("model.lora.rank > 0 needs PEFT, which is not installed: pip install hpsft[lora]")
 
@@ -446,11 +451,19 @@ class SFTConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
+        lora = self.model.lora
         if self.engine.name == "megatron":
-            for key, value in (("model.lora.rank", self.model.lora.rank), ("model.tiled_mlp_tokens", self.model.tiled_mlp_tokens)):
+            lora_keys = f"model.lora.rank={lora.rank}" + (", model.lora.use_dora=true" if lora.use_dora else "")
+            for keys, value in ((lora_keys, lora.rank), (f"model.tiled_mlp_tokens={self.model.tiled_mlp_tokens}",
+                                                         self.model.tiled_mlp_tokens)):
                 if value:
-                    raise ValueError(f"{key}={value} with engine.name=megatron: not on the Megatron engine yet; "
+                    raise ValueError(f"{keys} with engine.name=megatron: not on the Megatron engine yet; "
                                      "use engine.name=deepspeed")
+        if lora.use_dora and self.engine.zero_stage == 3:
+            # PEFT's DoRA layer reads its base layer's whole weight (the magnitude's norm) outside
+            # that layer's forward, where ZeRO-3 holds a shard: not shown exact, so not run.
+            raise ValueError("model.lora.use_dora=true with engine.zero_stage=3: DoRA under ZeRO-3 is not supported; "
+                             "use engine.zero_stage 0, 1 or 2")
         tp = self.engine.tensor_parallel_size
         if tp > 1 and self.model.lora.rank:
             # AutoTP would shard the base layers PEFT wraps: not shown exact, so not run.

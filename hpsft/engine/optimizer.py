@@ -43,7 +43,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
             (decay if ndim >= 2 else no_decay).append(param)
     # An empty group is left out: DeepSpeed's ZeRO optimizer drops it, and the LR scheduler,
     # built on the torch optimizer's groups, would then count one group too many (LoRA adapters
-    # are all 2-D: no group without decay).
+    # are all 2-D: no group without decay; DoRA's magnitudes are 1-D, not decayed).
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 

@@ -7,9 +7,15 @@ they were, and its parameter names are the Hugging Face ones with PEFT's layer i
 adapters trainable. Only `nn.Linear` layers of the decoder may be adapted: hpsft's fused loss
 reads the LM head's weight as a tensor, so an adapter on it would be silently skipped.
 
+With `model.lora.use_dora` each adapted layer also has PEFT's DoRA magnitude, one value per
+output (`...q_proj.lora_magnitude_vector.default.weight`, trained like A and B): the layer's
+weight is magnitude * (W + scaling * B @ A) / ||W + scaling * B @ A||, the norm of each output's
+row, which PEFT treats as a constant in the backward (the DoRA paper's section 4.3).
+
 Two outputs a LoRA run can be exported to (end of run and `hpsft export`):
-- the merged model: each adapted weight W replaced by W + scaling * B @ A, written under the
-  base model's own names, as a plain Hugging Face folder;
+- the merged model: each adapted weight W replaced by W + scaling * B @ A (DoRA: that times
+  magnitude / its row norms), written under the base model's own names, as a plain Hugging
+  Face folder; one equal to the base model is refused (untrained adapters, or a lost merge);
 - the adapter alone: PEFT's `adapter_config.json` + `adapter_model.safetensors`, which
   `peft.PeftModel.from_pretrained(base_model, folder)` loads.
 """
@@ -26,6 +32,8 @@ from hpsft.models.hf_export import written_whole
 
 ADAPTER = "default"  # PEFT's adapter name inside the model; saved files drop it
 BASE_LAYER = ".base_layer."
+ADAPTER_SUFFIX = f".{ADAPTER}.weight"
+ADAPTER_PARTS = {"lora_A": "A", "lora_B": "B", "lora_magnitude_vector": "magnitude"}  # PEFT's module -> merge's part
 INSTALL_HINT = "pip install hpsft[lora]"
 
 
@@ -43,7 +51,7 @@ def peft_lora_config(lora_config):
     targets = lora_config.target_modules
     return peft.LoraConfig(
         r=lora_config.rank, lora_alpha=lora_config.alpha, lora_dropout=lora_config.dropout, bias="none",
-        target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+        use_dora=lora_config.use_dora, target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
     )
 
 
@@ -102,13 +110,16 @@ def base_name(name: str) -> str:
 
 def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's (name, tensor) pairs with every adapter folded in: W + scaling * B @ A
-    (transposed for fan-in-fan-out layers), computed in fp32 and stored in W's dtype.
+    (transposed for fan-in-fan-out layers), for DoRA times magnitude / the row norms of that,
+    computed in fp32 and stored in W's dtype (PEFT's merge).
 
     `weights` are the adapted model's tensors in its own names and order (`weight_names(lm)`):
-    a layer's base weight and its A and B arrive together, so one layer is held at a time.
+    a layer's base weight and its adapter tensors arrive together, so one layer is held at a
+    time. Merged weights all equal to the base ones are an error, raised after the last.
     """
     layers = lora_layers(lm)
     held: dict[str, dict[str, torch.Tensor]] = {}
+    changed = False
     for name, tensor in weights:
         if BASE_LAYER in name:
             prefix, _, rest = name.partition(BASE_LAYER)
@@ -116,23 +127,38 @@ def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
                 yield base_name(name), tensor
                 continue
             part = "W"
-        elif ".lora_A." in name or ".lora_B." in name:
-            prefix, _, rest = name.rpartition(".lora_")
-            part = rest[0]  # A or B
+        elif name.endswith(ADAPTER_SUFFIX) and name.removesuffix(ADAPTER_SUFFIX).rpartition(".")[2] in ADAPTER_PARTS:
+            prefix, _, module = name.removesuffix(ADAPTER_SUFFIX).rpartition(".")
+            part = ADAPTER_PARTS[module]
         else:
             yield name, tensor
             continue
+        layer = layers[prefix]
         parts = held.setdefault(prefix, {})
         parts[part] = tensor
-        if len(parts) == 3:
-            layer = layers[prefix]
+        if len(parts) == 4 if layer.use_dora[ADAPTER] else len(parts) == 3:
             del held[prefix]
-            delta = parts["B"].float() @ parts["A"].float()
-            if layer.fan_in_fan_out:
-                delta = delta.T
-            yield f"{prefix}.weight", (parts["W"].float() + layer.scaling[ADAPTER] * delta).to(parts["W"].dtype)
+            merged = merged_weight(layer, parts)
+            changed = changed or not torch.equal(merged, parts["W"])
+            yield f"{prefix}.weight", merged
     if held:
-        raise RuntimeError(f"adapted layers without all of base weight, A and B: {sorted(held)}")
+        raise RuntimeError(f"adapted layers without all of base weight and adapters: {sorted(held)}")
+    if not changed:
+        raise UserInputError("the merged model equals the base model, weight for weight: its adapters change nothing "
+                             "(untrained: B = 0 as initialised); export the adapter alone with --adapter-only")
+
+
+def merged_weight(layer, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One layer's W + scaling * B @ A (DoRA: times magnitude / its row norms) from its `parts`."""
+    delta = parts["B"].float() @ parts["A"].float()
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    weight = parts["W"].float() + layer.scaling[ADAPTER] * delta
+    if "magnitude" in parts:  # one norm per output: rows of W, columns of a fan-in-fan-out W
+        output_dim = 1 if layer.fan_in_fan_out else 0
+        norm = torch.linalg.norm(weight, dim=1 - output_dim, keepdim=True)
+        weight = parts["magnitude"].float().unsqueeze(1 - output_dim) / norm * weight
+    return weight.to(parts["W"].dtype)
 
 
 def write_adapter_folder(lm: nn.Module, adapter: dict[str, torch.Tensor], base_model_path: str, tokenizer,

@@ -16,7 +16,8 @@ file's sha256 and name, when one is used), the effective chat template and the t
 options, the global batch size, shuffling and the seed, the loss terms that change the
 objective, and the LoRA settings of a LoRA run (`model.lora`: which parameters exist and are
 trained; absent without LoRA, so full fine-tuning checkpoints of earlier versions keep their
-fingerprint). Source names are not: they name metrics only.
+fingerprint; `use_dora` in it only when true, for the same reason). Source names are not:
+they name metrics only.
 
 What is not, because changing it on resume is harmless or meant: logging, save cadence,
 keep_last_checkpoints, output and export options, total_steps/total_epochs (extending a
@@ -118,9 +119,18 @@ def run_fingerprint(config, tokenizer) -> dict:
         "trainer.seed": config.trainer.seed,
         "loss.z_loss_weight": loss.z_loss_weight,
         "loss.label_smoothing": loss.label_smoothing,
-        **({"model.lora": dataclasses.asdict(config.model.lora)} if config.model.lora.rank else {}),
+        **({"model.lora": lora_fingerprint(config.model.lora)} if config.model.lora.rank else {}),
         "engine.tensor_parallel_size": config.engine.tensor_parallel_size,
     }
+
+
+def lora_fingerprint(lora) -> dict:
+    """model.lora's settings; use_dora only when set, so that LoRA checkpoints written before
+    the key existed still match."""
+    settings = dataclasses.asdict(lora)
+    if not lora.use_dora:
+        del settings["use_dora"]
+    return settings
 
 
 # Keys run_fingerprint records that a resume may change: the layout, not the run.
