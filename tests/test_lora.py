@@ -30,12 +30,14 @@ def lora_overrides(model_path, train, val, out_dir, **extra) -> list[str]:
         "trainer.peak_flops_per_device": 1e12, **extra})
 
 
-def peft_reference_steps(model_path: str, train: str, steps: int) -> list[dict]:
+def peft_reference_steps(model_path: str, train: str, steps: int, use_dora: bool = False) -> list[dict]:
     """Loss and unclipped adapter-gradient norm of the first `steps` steps of lora_overrides'
     run, each step on every conversation of `train`: PEFT's get_peft_model on the model's own
     eager forward and masked-label loss (each conversation alone, weighted by its loss tokens
-    over the step's), the norm in fp64, clipped as DeepSpeed clips, torch's AdamW. Only the
-    initial adapters come from hpsft (add_lora's seeded A, B = 0), copied in by name."""
+    over the step's), the norm in fp64, clipped as DeepSpeed clips, torch's AdamW (1-D
+    parameters, DoRA's magnitudes, not decayed, as hpsft's param_groups). Only the initial A
+    and B come from hpsft (add_lora's seeded A, B = 0), copied in by name; DoRA's magnitudes
+    are PEFT's own (the base rows' norms)."""
     import peft
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,16 +52,19 @@ def peft_reference_steps(model_path: str, train: str, steps: int) -> list[dict]:
         examples.append((ids[None], torch.where(mask.bool(), ids, -100)[None], int(mask[1:].sum())))
     step_tokens = sum(n for _, _, n in examples)
     initial = dict(add_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-                            LoraConfig(rank=RANK, alpha=ALPHA), SEED).named_parameters())
+                            LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora), SEED).named_parameters())
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear"))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear",
+                                                      use_dora=use_dora))
     adapters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
         for name, p in adapters:
-            p.copy_(initial[name.removeprefix("base_model.model.")])
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(initial[name.removeprefix("base_model.model.")])
     optim = OptimConfig(lr=LR)
-    optimizer = torch.optim.AdamW([p for _, p in adapters], lr=LR, betas=tuple(optim.betas), eps=optim.eps,
-                                  weight_decay=optim.weight_decay)  # adapters are 2-D: all decayed
+    groups = [{"params": [p for _, p in adapters if p.ndim == 2], "weight_decay": optim.weight_decay},
+              {"params": [p for _, p in adapters if p.ndim == 1], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=tuple(optim.betas), eps=optim.eps)
     results = []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -152,6 +157,49 @@ def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_p
     assert all(torch.equal(adapter[name], end_of_run[name]) for name in adapter)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+
+
+@pytest.mark.slow
+def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tmp_path, tiny_chat_model, chat_rows):
+    """model.lora.use_dora on tiny_chat_model, packed rows, 2 ranks under ZeRO-2 (DoRA is
+    refused under ZeRO-3): steps 1-2 equal PEFT's own DoRA model (peft_reference_steps,
+    use_dora) in the loss and the unclipped gradient norm within 1e-5 (fp32 rounding; measured
+    loss 3.7e-8, norm 9.7e-8 apart); the magnitudes train and are checkpointed, a resume in one
+    process continues the 2-rank run exactly, and the merged hf/ folder computes the adapter
+    model's logits (measured 3.1e-7). Planted: the magnitudes frozen in add_lora (requires_grad
+    False after the injection): 28 trainable tensors, not 42; with that assertion moved after
+    the comparison, step 1's gradient norm 0.359 against PEFT's 0.388 (the magnitudes' share
+    gone)."""
+    train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
+    dora = {"model.lora.use_dora": "true", "engine.zero_stage": 2}
+    out = tmp_path / "run"
+    assert_ok(run_cli(None, lora_overrides(tiny_chat_model, train, val, out, **dora), nproc=2, script=CHECK_SCRIPT))
+    check = json.loads((out / "lora_check.json").read_text())
+    print(f"\nlogits: merged vs adapter {check['merged_vs_adapter']:.1e}, engine vs adapter "
+          f"{check['engine_vs_adapter']:.1e}, base vs adapter {check['base_vs_adapter']:.1e}")
+    # A, B and the magnitude of each of the 7 linear layers of each of the 2 layers train; all moved.
+    magnitudes = [name for name in check["adapters"] if ".lora_magnitude_vector." in name]
+    assert check["trainable"] == check["adapters"] and len(check["adapters"]) == 2 * 7 * 3 and len(magnitudes) == 14
+    assert check["adapters_unchanged"] == [] and check["base_compared"] > 0 and check["base_changed"] == []
+    assert check["merged_vs_adapter"] < LOGIT_RTOL and check["engine_vs_adapter"] < LOGIT_RTOL
+    assert check["base_vs_adapter"] > 1e-3
+
+    straight = {m["step"]: m for m in read_metrics(out)}
+    reference = dict(enumerate(peft_reference_steps(tiny_chat_model, train, 2, use_dora=True), start=1))
+    print("steps 1-2, ours vs PEFT:", [(straight[s]["train/loss"], reference[s]["train/loss"],
+                                         straight[s]["train/grad_norm"], reference[s]["train/grad_norm"]) for s in (1, 2)])
+    assert_same_steps(straight, reference, (1, 2), loss_rtol=1e-5, grad_norm_rtol=1e-5)
+
+    resumed = tmp_path / "resumed"
+    checkpoint = out / "checkpoints" / "global_step_2"
+    assert_ok(run_cli("hpsft.train", lora_overrides(tiny_chat_model, train, val, resumed, **dora, **{
+        "trainer.resume": checkpoint, "trainer.export_hf": "false"})))
+    again = {m["step"]: m for m in read_metrics(resumed)}
+    assert sorted(again) == [3, 4]
+    assert_same_steps(again, straight, (3, 4), loss_rtol=1e-6, grad_norm_rtol=1e-5)
+    config = json.loads((out / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
 
 
 def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True):
