@@ -166,7 +166,7 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     use_dora) in the loss and the unclipped gradient norm within 1e-5 (fp32 rounding; measured
     loss 3.7e-8, norm 9.7e-8 apart); the magnitudes train and are checkpointed, a resume in one
     process continues the 2-rank run exactly, and the merged hf/ folder computes the adapter
-    model's logits (measured 3.1e-7). Planted: the magnitudes frozen in add_lora (requires_grad
+    model's logits (measured 3.1e-7), as `hpsft export`'s does bit for bit. Planted: the magnitudes frozen in add_lora (requires_grad
     False after the injection): 28 trainable tensors, not 42; with that assertion moved after
     the comparison, step 1's gradient norm 0.359 against PEFT's 0.388 (the magnitudes' share
     gone)."""
@@ -200,6 +200,11 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     assert_same_steps(again, straight, (3, 4), loss_rtol=1e-6, grad_norm_rtol=1e-5)
     config = json.loads((out / "hf" / "adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] is True
+    # `hpsft export` in one process (the adapters' layers built on meta from the fingerprint's
+    # model.lora, use_dora included) merges as the end of the run did, bit for bit.
+    assert_ok(run_cli("hpsft.cli", ["export", str(out), str(tmp_path / "merged")]))
+    merged, final = folder_weights(tmp_path / "merged"), folder_weights(out / "hf")
+    assert merged.keys() == final.keys() and all(torch.equal(merged[name], final[name]) for name in final)
 
 
 def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True):
