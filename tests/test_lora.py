@@ -1,7 +1,8 @@
 """LoRA (PEFT) runs: only the adapters train and are checkpointed, their gradients are PEFT's
 on the model's own loss, a resume with another rank count continues the run exactly, and both
 exports (merged model, adapter alone) compute the trained model; under ZeRO-3 with 2 ranks
-(gloo, CPU), where the base model is built partitioned."""
+(gloo, CPU), where the base model is built partitioned. DoRA (model.lora.use_dora) the same
+under ZeRO-2, with its magnitudes in the merge, and PEFT's DoRA layer against the paper's formula."""
 
 import json
 from pathlib import Path
