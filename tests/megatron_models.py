@@ -3,6 +3,8 @@ and its launch script dist_scripts/megatron_model_checks.py), built from transfo
 classes: 2 layers, 64 wide, 4 query and 2 key/value heads, a vocabulary of 250 (padded to 256
 on the Megatron side, so the padding shows), each family's own options on."""
 
+from pathlib import Path
+
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
@@ -54,3 +56,9 @@ def hf_reference(family: str, seed: int = 0):
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
     return model.train(), sequences(seed, LENGTHS, VOCAB)
+
+
+def write_hf_model(family: str, folder: Path) -> Path:
+    """hf_reference(family)'s model (drawn norms, spread router weights) saved to `folder`."""
+    hf_reference(family)[0].save_pretrained(folder)
+    return folder

@@ -6,6 +6,7 @@ test_megatron_engine (each Megatron layout)."""
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -22,15 +23,25 @@ NORM_RTOL = 1e-5
 WEIGHT_RTOL = 2e-5
 
 
-def run_layouts(folder: Path, layouts: list[str], nproc: int) -> dict:
-    """One launch of `nproc` ranks running each layout (tests/dist_scripts/step_claims.py) on the
-    2-layer tiny Llama; its results by layout, and the reference."""
-    model = write_tiny_llama(folder / "tiny-llama")
+def run_models(folder: Path, models: dict[str, tuple[Callable[[Path], Path], list[str]]], nproc: int) -> dict:
+    """One launch of `nproc` ranks running, for each model name, its layouts
+    (tests/dist_scripts/step_claims.py) on the model its writer writes to folder/NAME; by
+    name, its results by layout and its reference."""
+    args = []
+    for name, (write_model, layouts) in models.items():
+        args += ["--"] * bool(args) + [str(write_model(folder / name)), *layouts]
     out = folder / "runs.pt"
-    proc = run_cli(None, [str(model), str(out), str(folder / "checkpoints"), *layouts], nproc=nproc,
+    proc = run_cli(None, [str(out), str(folder / "checkpoints"), *args], nproc=nproc,
                    script=str(REPO / "tests" / "dist_scripts" / "step_claims.py"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
+
+
+def run_layouts(folder: Path, layouts: list[str], nproc: int,
+                write_model: Callable[[Path], Path] = write_tiny_llama) -> dict:
+    """run_models for one model (the folder named `model`, by default the 2-layer tiny Llama):
+    its results by layout, and the reference."""
+    return run_models(folder, {"model": (write_model, layouts)}, nproc)["model"]
 
 
 def assert_norms(norms, reference, what):

@@ -1,29 +1,42 @@
 """The Megatron engine (engine.name: megatron) under the same optimizer-step claims as every
-ZeRO stage (tests/step_claims.py): at DP=2, TP=2 and PP=2 (one 2-rank launch) and TP=2 x PP=2
-(a 4-rank launch), each against the fp64 plain-torch reference: the unclipped gradient norms,
+ZeRO stage (tests/step_claims.py): the tiny Llama at DP=2, TP=2 and PP=2, the tiny Qwen3 (q/k
+norm) at TP=2 and the tiny Mixtral (router loss on) at EP=2 x DP=2 (one 2-rank launch), and the
+Llama at TP=2 x PP=2 and DP=2 x TP=2 (one 4-rank launch), each against the fp64 plain-torch reference: the unclipped gradient norms,
 the clip, the non-finite step skipped without moving the schedule, warmup then cosine, AdamW
 without decay on 1-D weights, the whole Hugging Face weights gathered after the steps, and the
 per-rank checkpoint resuming into the same steps. And what the engine's config refuses."""
+
+from functools import partial
 
 import pytest
 
 from hpsft.config import load_config
 from hpsft.config.schema import EngineConfig
 from tests.conftest import assert_ok, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff, run_cli, \
-    train_steps
-from tests.step_claims import assert_steps_as_documented, run_layouts
+    train_steps, write_tiny_llama
+from tests.megatron_models import write_hf_model
+from tests.step_claims import assert_steps_as_documented, run_layouts, run_models
 from tests.test_spmd_training import max_rel_weight_diff, weights
 
 pytest.importorskip("megatron.core")
 
-TWO_RANKS = {"dp2": "megatron:tensor_parallel_size=1", "tp2": "megatron:tensor_parallel_size=2",
-             "pp2": "megatron:pipeline_parallel_size=2"}
-DP_SIZE = {"dp2": 2, "tp2": 1, "pp2": 1}
+# name: (model, layout, its data-parallel size); one 2-rank launch runs them all.
+TWO_RANKS = {"dp2": ("llama", "megatron:tensor_parallel_size=1", 2),
+             "tp2": ("llama", "megatron:tensor_parallel_size=2", 1),
+             "pp2": ("llama", "megatron:pipeline_parallel_size=2", 1),
+             "qwen3_tp2": ("qwen3", "megatron:tensor_parallel_size=2", 1),
+             "mixtral_ep2": ("mixtral", "megatron:expert_parallel_size=2", 2)}
+# The 2-layer tiny Llama of the ZeRO tests; the tiny Qwen3 (q/k norm) and Mixtral (4 experts,
+# top 2, the router loss on at coefficient 0.1) of tests/megatron_models.py.
+WRITERS = {"llama": write_tiny_llama, "qwen3": partial(write_hf_model, "qwen3"),
+           "mixtral": partial(write_hf_model, "mixtral")}
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    return run_layouts(tmp_path_factory.mktemp("megatron_two_ranks"), list(TWO_RANKS.values()), nproc=2)
+    models = {model: (WRITERS[model], [layout for m, layout, _ in TWO_RANKS.values() if m == model])
+              for model in WRITERS}
+    return run_models(tmp_path_factory.mktemp("megatron_two_ranks"), models, nproc=2)
 
 
 @pytest.mark.slow
@@ -31,18 +44,39 @@ def two_rank_runs(tmp_path_factory):
 def test_megatron_at_two_ranks_steps_as_documented_against_fp64_reference(two_rank_runs, name):
     """Planted, one at a time (docs/testing.md has the figures): the padding row's gradient
     from its lookups kept (model.keep_padding_row_still removed); the schedule moved by a
-    skipped step (updates counted like taken)."""
-    run = two_rank_runs[TWO_RANKS[name]]
-    assert run["dp_size"] == DP_SIZE[name]
-    assert_steps_as_documented(run, two_rank_runs["reference"], f"megatron {name}")
+    skipped step (updates counted like taken); the router logits taken in row_terms instead of
+    after every forward (run_schedule), so the start-up check's joined the first training
+    row's router loss: mixtral_ep2 step 0 norm 1.45175 vs 1.45281 (7.3e-4), step 1 5.49923 vs
+    5.39620. (Without the router loss, mixtral_without_router_loss, that bug did not show:
+    the EP=2 norms were the reference's within 8.5e-7.)"""
+    model, layout, dp_size = TWO_RANKS[name]
+    run = two_rank_runs[model][layout]
+    assert run["dp_size"] == dp_size
+    assert_steps_as_documented(run, two_rank_runs[model]["reference"], f"megatron {name}")
+
+
+# name: (layout, its data-parallel size); one 4-rank launch runs both.
+FOUR_RANKS = {"tp2_pp2": ("megatron:tensor_parallel_size=2,pipeline_parallel_size=2", 1),
+              "dp2_tp2": ("megatron:tensor_parallel_size=2", 2)}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory.mktemp("megatron_four_ranks"), [layout for layout, _ in FOUR_RANKS.values()],
+                       nproc=4)
 
 
 @pytest.mark.slow
-def test_megatron_tp2_pp2_at_four_ranks_steps_as_documented_against_fp64_reference(tmp_path):
-    layout = "megatron:tensor_parallel_size=2,pipeline_parallel_size=2"
-    results = run_layouts(tmp_path, [layout], nproc=4)
-    assert results[layout]["dp_size"] == 1
-    assert_steps_as_documented(results[layout], results["reference"], "megatron tp2 x pp2")
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_megatron_at_four_ranks_steps_as_documented_against_fp64_reference(four_rank_runs, name):
+    """The tiny Llama at TP=2 x PP=2 and at DP=2 x TP=2 (the replicas' gradients summed over DP
+    on top of the TP shards). Planted: the DP reduction of the gradients dropped
+    (summed_grads returning without finalize_model_grads): dp2_tp2 step 0 norm 0.97061 vs
+    1.40108, failed; tp2_pp2 (DP=1) passed, as it should."""
+    layout, dp_size = FOUR_RANKS[name]
+    run = four_rank_runs[layout]
+    assert run["dp_size"] == dp_size
+    assert_steps_as_documented(run, four_rank_runs["reference"], f"megatron {name}")
 
 
 @pytest.mark.slow

@@ -11,13 +11,16 @@ same steps (see reference()).
 A layout is ENGINE:KEY=VALUE[,KEY=VALUE...] of the config section `engine` (ints), e.g.
 deepspeed:zero_stage=2 or megatron:tensor_parallel_size=2,pipeline_parallel_size=2. The rows
 are the same for every layout: two data parts, each on its own data-parallel rank at DP=2, both
-on the one rank at DP=1 (every TP / PP rank of a replica gets its replica's rows).
+on the one rank at DP=1 (every TP / PP rank of a replica gets its replica's rows). Several
+models may share the launch, each with its layouts (groups separated by --); the results are
+by the model folder's name, each with its own reference.
 
-    torchrun --nproc-per-node N tests/dist_scripts/step_claims.py MODEL OUT_PT CKPT_DIR LAYOUT [LAYOUT...]
+    torchrun --nproc-per-node N tests/dist_scripts/step_claims.py OUT_PT CKPT_DIR MODEL LAYOUT [LAYOUT...] [-- MODEL LAYOUT...]
 """
 
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -143,9 +146,22 @@ def released(engine: TrainEngine) -> None:
         parallel_state.destroy_model_parallel()
 
 
-def main() -> None:
-    model, out_pt, ckpt, *layouts = sys.argv[1:]
-    init_distributed()
+def model_groups(args: list[str]) -> list[tuple[str, list[str]]]:
+    """MODEL LAYOUT... [-- MODEL LAYOUT...] as (model folder, its layouts) pairs."""
+    groups, group = [], []
+    for arg in [*args, "--"]:
+        if arg != "--":
+            group.append(arg)
+            continue
+        if len(group) < 2:
+            raise SystemExit(f"step_claims.py: a model folder and at least one layout per group, got {group}")
+        groups.append((group[0], group[1:]))
+        group = []
+    return groups
+
+
+def run_model(model: str, layouts: list[str], ckpt: str) -> dict:
+    """The reference and every layout's straight and resumed runs of one model."""
     steps = all_steps(load_causal_lm(model).config.vocab_size)
     results = {"reference": reference(model, steps)}
     names = list(results["reference"]["weights"])
@@ -168,6 +184,14 @@ def main() -> None:
         results[layout]["resumed"] = {"grad_norms": resumed_norms, "lrs": resumed_lrs,
                                       "weights": weights(resumed, names), "global_steps": resumed.steps}
         released(resumed)
+    return results
+
+
+def main() -> None:
+    out_pt, ckpt, *args = sys.argv[1:]
+    init_distributed()
+    results = {Path(model).name: run_model(model, layouts, f"{ckpt}/{Path(model).name}")
+               for model, layouts in model_groups(args)}
     if dist.get_rank() == 0:
         torch.save(results, out_pt)
     dist.barrier()

@@ -156,16 +156,17 @@ class MegatronEngine(TrainEngine):
             return row_terms(self.head_loss(row, hidden, "none"), labels, row["offsets"], per_sequence=True)
         out = self.head_loss(row, hidden, "sum", return_correct=self.token_accuracy)
         aux = None
-        if self.router_logits is not None:
-            aux = router_aux_loss(self.module.hf_architecture, self.router_logits.take())
+        if row["router_logits"] is not None:
+            aux = router_aux_loss(self.module.hf_architecture, row["router_logits"])
         correct = int(out.correct.sum()) if self.token_accuracy else -1
         return row_terms(out, labels, row["offsets"], sequence_nll=sequence_nll, router_aux_loss=aux,
                          router_aux_loss_coef=self.router_aux_loss_coef, correct=correct)
 
     def run_schedule(self, rows: list[dict], loss_func, forward_only: bool) -> list:
         """Megatron's schedule over `rows`, one micro-batch each. loss_func(row, hidden) on the
-        last stage returns (what is back-propagated, a count Megatron would divide by and
-        summed_grads ignores, what to report); the reports in order there, [] elsewhere."""
+        last stage (the row with its forward's "router_logits": RouterLogits.take(), or None)
+        returns (what is back-propagated, a count Megatron would divide by and summed_grads
+        ignores, what to report); the reports in order there, [] elsewhere."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from hpsft.engine.megatron.model import forward_packed_row
@@ -173,7 +174,10 @@ class MegatronEngine(TrainEngine):
         def forward_step(data_iterator, model):
             row = next(data_iterator)
             hidden = forward_packed_row(model, row["input_ids"], row["offsets"], row["max_length"])
-            return hidden, partial(loss_func, row)
+            # Every forward's router logits are taken here, whether its loss uses them or not (the
+            # start-up check's and validation's were once left to join the next training row's).
+            router_logits = self.router_logits.take() if self.router_logits is not None else None
+            return hidden, partial(loss_func, {**row, "router_logits": router_logits})
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(rows), model=[self.model], num_microbatches=len(rows),
