@@ -11,7 +11,8 @@ Measured in one sitting, ratios against baselines run in the same sitting:
    the tokens, so its tokens/s ratio is 0.89 of its rows/s ratio);
 3. `hpsft prepare-data` (2 processes, its default truncation: leading whole turns) against the
    stage's 2 processes with the same truncation on the same file: the command's rows/s as a
-   share of the stage's (its time counts the tokenizer load and the parquet written);
+   share of the stage's (its time counts the tokenizer load and the parquet written; neither
+   counts its Python imports);
 4. against a `datasets.map(num_proc=2)` pipeline of the same rows through the same per-row
    function (hpsft's row_sequences: the same template and masks), written to datasets' Arrow
    cache;
@@ -104,9 +105,11 @@ def raw_tokenizer_rate(rows: list[dict], max_rows: int) -> dict:
     return {"rows": len(texts), "tokens": tokens, "seconds": seconds}
 
 
+# The imports before the clock, as PREPARE's (importing transformers took 2.3 s on the loaded 2-core machine).
 PREPARE_DATA = """
 import json, sys, time
 from hpsft.commands.prepare_data import main
+from hpsft.models.loading import load_tokenizer
 
 if __name__ == "__main__":
     start = time.perf_counter()
@@ -117,8 +120,8 @@ if __name__ == "__main__":
 
 def prepare_data_rate(path: Path, out_dir: Path, num_proc: int, max_length: int) -> dict:
     """`hpsft prepare-data` on the same file, its default truncation (turns): the command's
-    time from its start (tokenizer load, rows read and fitted on the stage's pool, parquet
-    written), its rows from its report."""
+    time from its start, its imports done (tokenizer load, rows read and fitted on the stage's
+    pool, parquet written), its rows from its report."""
     shutil.rmtree(out_dir, ignore_errors=True)
     seconds = run_snippet(PREPARE_DATA, path, "--out", out_dir, "--tokenizer", MODEL, "--max-length", max_length,
                           "--num-proc", num_proc)["seconds"]
@@ -183,6 +186,9 @@ def balance_table(lengths: np.ndarray) -> list[str]:
     order = np.random.default_rng(0).permutation(lengths.size)
     for ranks in (8, 64):
         batch_size = ranks * 8
+        if lengths.size < batch_size:
+            lines.append(f"| {ranks} x 8 | fewer sequences ({lengths.size}) than one global batch | |")
+            continue
         dealt, split = [], []
         for step in range(lengths.size // batch_size):
             batch = lengths[order[step * batch_size:(step + 1) * batch_size]]

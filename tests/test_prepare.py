@@ -361,3 +361,40 @@ def test_the_default_keeps_long_sharegpt_rows_and_counts_the_supervised_tokens_l
     totals = {policy: r["token_lengths"]["supervised"] + r["counts"].get("lost_supervised_tokens", 0)
               for policy, r in reports.items()}
     assert len(set(totals.values())) == 1, totals
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json_array"])
+def test_rows_read_in_ranges_by_two_processes_are_the_rows_read_whole_by_one(kind, tmp_path, monkeypatch, chat_rows,
+                                                                             tokenizer):
+    """kept_rows over 2 processes with 4 KiB ranges (a JSONL file: its line ranges; a JSON array
+    read whole: windows of 64-row blocks) keeps, drops and names the same rows, in the same
+    order, as one process reading the file in one range: the duplicate and the malformed row
+    lie in later ranges than the rows they are judged against.
+    Planted: outcomes gathered in completion order, not sorted by row (the sort in kept_rows
+    removed): jsonl and json_array failed, the kept records differed at index 0; RowRange.holds
+    always true (each window keeping every row of the JSON array): json_array failed, the kept
+    records and the reports differed."""
+    from hpsft.data import prepare_files
+
+    rows = [{"messages": c} for c in chat_rows[:300]]
+    rows[250] = rows[3]  # a duplicate, 6 ranges later
+    rows[280] = {"text": "no chat"}  # malformed
+    if kind == "jsonl":
+        path = tmp_path / "chats.jsonl"
+        write_jsonl(rows, path)
+    else:
+        path = tmp_path / "chats.json"
+        path.write_text(json.dumps(rows))
+    opts = TokenizeOptions(None, None, None, "tools", None, 64, "turns", "skip")
+
+    def kept(num_proc: int, range_bytes: int):
+        monkeypatch.setattr(prepare_files, "RANGE_BYTES", range_bytes)
+        return prepare_files.kept_rows([path], opts, tokenizer, dedupe=True, num_proc=num_proc)
+
+    whole_rows, whole_report = kept(1, 1 << 30)
+    ranged_rows, ranged_report = kept(2, 4096)
+    assert len(prepare_files.row_ranges([path], None, 2, True)) >= 4  # jsonl: 21 ranges, json_array: 4 windows
+    assert ranged_rows == whole_rows and ranged_report == whole_report
+    assert whole_report["dropped"]["duplicate"] == whole_report["dropped"]["malformed"] == 1
+    assert whole_report["dropped_examples"]["duplicate"] == [f"{path} row 250: same messages and tools as an earlier "
+                                                             "row"]

@@ -120,8 +120,8 @@ def init_worker(tokenizer, opts: TokenizeOptions) -> None:
 
 
 def worker_pool(workers: int, tokenizer, opts: TokenizeOptions):
-    """`workers` processes tokenizing with these options (WORKER_STATE set by init_worker):
-    the data stage's shards here, prepare-data's rows (data/prepare_files.py). forkserver:
+    """`workers` processes tokenizing with these options (WORKER_STATE set by init_worker),
+    for run_jobs. forkserver:
     workers start from a clean process, not a fork of this one (its threads, e.g.
     torch.distributed's, would be copied mid-state)."""
     return multiprocessing.get_context("forkserver").Pool(workers, init_worker, (tokenizer, opts))
@@ -218,13 +218,40 @@ class Progress:
         self.bar.close()
 
 
-class LocalRunner:
-    """Every job on `num_proc` processes: this one and num_proc - 1 workers of a pool.
+def run_jobs(work, jobs: list, num_proc: int, tokenizer, opts: TokenizeOptions, done) -> None:
+    """work(job) for every job (a module-level function: workers import it), on `num_proc`
+    processes: this one and num_proc - 1 workers of a pool (worker_pool); done(job, result)
+    runs here as each finishes. The data stage's shards (LocalRunner) and prepare-data's row
+    ranges (data/prepare_files.py).
 
-    This process prepares shards too, from the start: a worker takes seconds to start (it
-    imports torch and transformers and unpickles the tokenizer: 4-6 s here), which on 2 cores
-    was most of what 2 processes gained on the packaged ShareGPT corpus. Each worker is kept
-    one shard ahead; this process takes the next shard whenever none is waiting for it."""
+    This process works too, from the start: a worker takes seconds to start (it imports torch
+    and transformers and unpickles the tokenizer: 4-6 s here), which on 2 cores was most of
+    what 2 processes gained on the packaged ShareGPT corpus. Each worker is kept one job
+    ahead; this process takes the next job whenever none is waiting for it."""
+    init_worker(tokenizer, opts)
+    workers = min(num_proc, len(jobs)) - 1
+    if workers < 1:
+        for job in jobs:
+            done(job, work(job))
+        return
+    todo, running = list(reversed(jobs)), []
+    with worker_pool(workers, tokenizer, opts) as pool:
+        while todo or running:
+            for job, result in [r for r in running if r[1].ready()]:
+                running.remove((job, result))
+                done(job, result.get())
+            while todo and len(running) < workers:
+                job = todo.pop()
+                running.append((job, pool.apply_async(work, (job,))))
+            if todo:
+                job = todo.pop()
+                done(job, work(job))
+            elif running:
+                running[0][1].wait()
+
+
+class LocalRunner:
+    """Every job on `num_proc` processes: this one and num_proc - 1 workers (run_jobs)."""
 
     def __init__(self, num_proc: int):
         self.num_proc = num_proc
@@ -232,28 +259,11 @@ class LocalRunner:
     def run(self, jobs: list[ShardJob], tokenizer, opts: TokenizeOptions, progress: Progress,
             between=lambda: None) -> None:
         """`between()` runs after each finished shard (a team checks the others' progress)."""
-        def done(sidecar: dict) -> None:
+        def done(_job: ShardJob, sidecar: dict) -> None:
             progress.add(sidecar)
             between()
 
-        init_worker(tokenizer, opts)
-        workers = min(self.num_proc, len(jobs)) - 1
-        if workers < 1:
-            for job in jobs:
-                done(prepare_shard(job))
-            return
-        todo, running = list(reversed(jobs)), []
-        with worker_pool(workers, tokenizer, opts) as pool:
-            while todo or running:
-                for result in [r for r in running if r.ready()]:
-                    running.remove(result)
-                    done(result.get())
-                while todo and len(running) < workers:
-                    running.append(pool.apply_async(prepare_shard, (todo.pop(),)))
-                if todo:
-                    done(prepare_shard(todo.pop()))
-                elif running:
-                    running[0].wait()
+        run_jobs(prepare_shard, jobs, self.num_proc, tokenizer, opts, done)
 
 
 @dataclass(frozen=True)

@@ -1,29 +1,34 @@
 """hpsft prepare-data's rows (hpsft/commands/prepare_data.py): read from files or a datasets
-folder, checked, deduplicated, fitted to --max-length by the data stage's turn policies on its
-worker pool (data/preparation.py), reported, and written as parquet (and token stores)."""
+folder by the data stage's readers (data/shards.py), checked and fitted to --max-length by its
+turn policies, range by range on its worker pool (data/preparation.py: run_jobs; this process
+only plans the ranges and gathers what they kept), deduplicated, reported, and written as
+parquet (and token stores)."""
 
 import dataclasses
+import hashlib
 import json
 import random
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from hpsft.assets import chat_corpora
 from hpsft.data.chat_messages import BadRow, normalize_messages, normalize_tools
 from hpsft.data.inspection import percentile
-from hpsft.data.preparation import DEFAULT_SHARD_MB, WORKER_STATE, LocalRunner, init_worker, prepare, worker_pool
-from hpsft.data.row_sequences import row_conversations
+from hpsft.data.preparation import DEFAULT_SHARD_MB, ROWS_PER_CALL, WORKER_STATE, LocalRunner, prepare, run_jobs
+from hpsft.data.row_sequences import RowConversations, rows_conversations
 from hpsft.data.layouts import HOUSE_LAYOUT, row_messages
 from hpsft.data.rows import TokenizeOptions, UnreadableRow
-from hpsft.data.shards import compression, data_suffix, entry_rows, expand_entry
+from hpsft.data.shards import Shard, compression, expand_entry, file_shards, shard_rows
 from hpsft.utils.errors import UserInputError
 
 DROP_REASONS = ("malformed", "empty", "duplicate", "over_max_length")
 EXAMPLES_PER_REASON = 5  # where and why, for the first few dropped rows of each reason
+RANGE_BYTES = 1 << 20  # input per job: enough jobs for every process on a few MiB
+WINDOW_ROWS = 64  # rows in a block of a file read whole by several jobs (RowRange)
 
 
 class Dropped(Exception):
@@ -33,22 +38,41 @@ class Dropped(Exception):
         self.counts = counts or Counter()  # the data stage's counts of a row dropped for its length
 
 
-def input_rows(path: Path, split: str | None):
-    """(row count or None when unknown before reading, iterator of (where, row)): the files
-    (or datasets folder) `path` names, read by the data stage's readers (data/shards.py)."""
-    counts = [parquet_rows(f) for f in expand_entry(str(path), split)]
-    return (None if None in counts else sum(counts)), entry_rows(path, split)
+@dataclass(frozen=True)
+class RowRange:
+    """A job of kept_rows: the rows of `shard` (a range of one input file, data/shards.py) that
+    a worker reads, checks and fits. A shard read whole (a JSON array, a compressed file, a
+    datasets .arrow file) is shared by `windows` jobs, each reading it all and keeping the
+    blocks of WINDOW_ROWS rows that fall to its `window` in turn."""
+
+    file: int  # the input file's place in the inputs' order
+    shard: Shard
+    window: int = 0
+    windows: int = 1
+    dedupe: bool = False  # also the key of each checked row's conversation
+
+    def holds(self, n: int) -> bool:
+        return (n // WINDOW_ROWS) % self.windows == self.window
 
 
-def parquet_rows(path: Path) -> int | None:
-    """The rows of a parquet file from its footer; None for other files (and a broken parquet
-    file, which its reader names)."""
-    if data_suffix(path) != ".parquet" or compression(path) is not None:
+def row_ranges(inputs: list[Path], split: str | None, num_proc: int, dedupe: bool) -> list[RowRange]:
+    """The jobs reading every row of the inputs' files once: ranges of about RANGE_BYTES of input
+    (JSONL byte ranges, parquet row ranges); a file read whole split over up to 2 jobs per process."""
+    files = [path for entry in inputs for path in expand_entry(str(entry), split)]
+    jobs = []
+    for i, path in enumerate(files):
+        for shard in file_shards(path, RANGE_BYTES):
+            whole = shard.kind in ("json_array", "arrow") or compression(path) is not None
+            windows = min(2 * num_proc, -(-shard.input_bytes // RANGE_BYTES)) if whole else 1
+            jobs += [RowRange(i, shard, w, windows, dedupe) for w in range(windows)]
+    return jobs
+
+
+def known_rows(jobs: list[RowRange]) -> int | None:
+    """The rows the jobs read, known before reading when every file is parquet (its footer)."""
+    if any(job.shard.kind != "parquet" for job in jobs):
         return None
-    try:
-        return pq.read_metadata(path).num_rows
-    except (pa.ArrowException, OSError):
-        return None
+    return sum(job.shard.stop - job.shard.start for job in jobs)
 
 
 def conversation(row, opts: TokenizeOptions) -> tuple[list[dict], list[dict] | None]:
@@ -82,17 +106,16 @@ def parquet_record(messages: list[dict], tools: list[dict] | None) -> dict:
     return {"messages": [stored(m) for m in messages], **({"tools": json.dumps(tools)} if tools else {})}
 
 
-def fitted_records(messages, tools, tokenizer,
+def fitted_records(messages, tools, fitted: RowConversations | BadRow,
                    opts: TokenizeOptions) -> tuple[list[dict], list[tuple[int, int]], Counter]:
     """The records a kept row is written as, the (tokens, supervised tokens) of the sequences
-    they train, and the data stage's counts. A row within opts.max_length is written as it is;
-    one over it is dropped (opts.truncation=error) or written as the conversations its turn
-    policy keeps (turns, split), history turns as context (weight 0). `opts` read the house
-    layout (HOUSE_LAYOUT): the messages are the row's, already checked."""
-    try:
-        fitted = row_conversations({"messages": messages, "tools": tools}, tokenizer, opts)
-    except BadRow as err:
-        raise Dropped("malformed", str(err)) from None
+    they train, and the data stage's counts, from the row's conversations as the data stage
+    fits them (`fitted`, row_sequences.rows_conversations of the checked messages). A row within
+    opts.max_length is written as it is; one over it is dropped (opts.truncation=error) or
+    written as the conversations its turn policy keeps (turns, split), history turns as context
+    (weight 0)."""
+    if isinstance(fitted, BadRow):
+        raise Dropped("malformed", str(fitted))
     if fitted.dropped:
         raise Dropped("over_max_length", fitted.dropped, fitted.counts)
     longest = max(len(c.input_ids) for c in fitted.conversations)
@@ -105,84 +128,80 @@ def fitted_records(messages, tools, tokenizer,
     return [parquet_record(c.rendered.messages, tools) for c in fitted.conversations], lengths, fitted.counts
 
 
-def fit_row(item: tuple) -> tuple:
-    """(where, fitted_records(...) or None, (reason, detail, counts) of a drop or None): a
-    worker's answer for one checked row, with the worker's tokenizer and options (the data
-    stage's WORKER_STATE)."""
-    where, messages, tools = item
-    try:
-        return where, fitted_records(messages, tools, WORKER_STATE["tokenizer"], WORKER_STATE["opts"]), None
-    except Dropped as drop:
-        return where, None, (drop.reason, str(drop), drop.counts)
-
-
-def fitted_rows(checked, tokenizer, opts: TokenizeOptions, num_proc: int):
-    """fit_row over the checked rows, in order: in this process, or over num_proc worker
-    processes (the data stage's worker_pool), rows handed out a few at a time."""
-    if num_proc == 1:
-        init_worker(tokenizer, opts)
-        yield from map(fit_row, checked)
-        return
-    with worker_pool(num_proc, tokenizer, opts) as pool:
-        yield from pool.imap(fit_row, checked, chunksize=8)
+def range_outcomes(job: RowRange) -> list[tuple]:
+    """A worker's job (run_jobs, with the worker's tokenizer and options: WORKER_STATE): the
+    rows of `job` read, checked and, with a tokenizer, fitted ROWS_PER_CALL at a time in one
+    tokenizer call, as the data stage does. Per row, in order: (row number, the key of its
+    conversation with job.dedupe (else None), (records, lengths, counts) of a kept row or None,
+    (reason, detail, counts) of a dropped one or None)."""
+    tokenizer, opts = WORKER_STATE["tokenizer"], WORKER_STATE["opts"]
+    outcomes, checked = [], []  # checked: (index in outcomes, messages, tools) of the rows to fit
+    for n, row in shard_rows(job.shard):
+        if not job.holds(n):
+            continue
+        try:
+            messages, tools = conversation(row, opts)
+        except Dropped as drop:
+            outcomes.append((n, None, None, (drop.reason, str(drop), drop.counts)))
+            continue
+        key = (hashlib.sha256(json.dumps([messages, tools], sort_keys=True).encode()).digest() if job.dedupe
+               else None)
+        outcomes.append((n, key, ([parquet_record(messages, tools)], [], Counter()), None))
+        checked.append((len(outcomes) - 1, messages, tools))
+    if tokenizer is not None:
+        house_opts = dataclasses.replace(opts, **HOUSE_LAYOUT)
+        for start in range(0, len(checked), ROWS_PER_CALL):
+            chunk = checked[start:start + ROWS_PER_CALL]
+            fitted = rows_conversations([{"messages": m, "tools": t} for _, m, t in chunk], tokenizer, house_opts)
+            for (i, messages, tools), row_fitted in zip(chunk, fitted):
+                n, key = outcomes[i][:2]
+                try:
+                    outcomes[i] = (n, key, fitted_records(messages, tools, row_fitted, house_opts), None)
+                except Dropped as drop:
+                    outcomes[i] = (n, key, None, (drop.reason, str(drop), drop.counts))
+    return outcomes
 
 
 def kept_rows(inputs: list[Path], opts: TokenizeOptions, tokenizer=None, split: str | None = None, dedupe: bool = False,
-            progress: bool = False, num_proc: int = 1) -> tuple[list[list[dict]], dict]:
+              progress: bool = False, num_proc: int = 1) -> tuple[list[list[dict]], dict]:
     """The records of each kept row as written, and the report of what was read, dropped and
-    kept. With a tokenizer, rows over opts.max_length are dropped or fitted by their turns
-    (fitted_records), over `num_proc` processes."""
+    kept. The rows are read, checked and (with a tokenizer) fitted to opts.max_length by their
+    turns (fitted_records) in ranges (row_ranges) over `num_proc` processes (run_jobs, the data
+    stage's pool); this process plans the ranges, then deduplicates and counts the rows in input
+    order."""
     from tqdm import tqdm
 
-    sources = [input_rows(path, split) for path in inputs]
-    counts = [count for count, _ in sources]
-    bar = tqdm(total=None if None in counts else sum(counts), unit=" rows", desc="prepare-data",
-               disable=not progress)
+    jobs = row_ranges(inputs, split, num_proc, dedupe)
+    bar = tqdm(total=known_rows(jobs), unit=" rows", desc="prepare-data", disable=not progress)
+    results = []  # (file, row number, file path, outcome) of every row read
+
+    def done(job: RowRange, outcomes: list[tuple]) -> None:
+        results.extend((job.file, outcome[0], job.shard.path, outcome) for outcome in outcomes)
+        bar.update(len(outcomes))
+
+    run_jobs(range_outcomes, jobs, num_proc, tokenizer, opts, done)
+    bar.close()
     kept, lengths, seen, stage_counts = [], [], set(), Counter()
     dropped, examples = Counter(), {reason: [] for reason in DROP_REASONS}
-    read = 0
-
-    def drop(where: str, reason: str, detail: str, counts: Counter | None = None) -> None:
-        dropped[reason] += 1
-        stage_counts.update(counts or Counter())
-        if len(examples[reason]) < EXAMPLES_PER_REASON:
-            examples[reason].append(f"{where}: {detail}")
-
-    def checked():
-        """The rows' conversations, checked and deduplicated here (cheap); drops noted."""
-        nonlocal read
-        for _, rows in sources:
-            for where, row in rows:
-                read += 1
-                bar.update()
-                try:
-                    messages, tools = conversation(row, opts)
-                    if dedupe:
-                        key = json.dumps([messages, tools], sort_keys=True)
-                        if key in seen:
-                            raise Dropped("duplicate", "same messages and tools as an earlier row")
-                        seen.add(key)
-                except Dropped as dropping:
-                    drop(where, dropping.reason, str(dropping))
-                    continue
-                yield where, messages, tools
-
-    if tokenizer is None:
-        kept = [[parquet_record(messages, tools)] for _, messages, tools in checked()]
-    else:
-        house_opts = dataclasses.replace(opts, **HOUSE_LAYOUT)
-        for where, fitted, dropping in fitted_rows(checked(), tokenizer, house_opts, num_proc):
-            if dropping is not None:
-                drop(where, *dropping)
-                continue
-            records, row_lengths, row_counts = fitted
-            lengths += row_lengths
-            stage_counts.update(row_counts)
-            kept.append(records)
-    bar.close()
+    for _, n, path, (_, key, fitted, dropping) in sorted(results, key=lambda r: r[:2]):
+        if key is not None:
+            if key in seen:
+                fitted, dropping = None, ("duplicate", "same messages and tools as an earlier row", Counter())
+            seen.add(key)
+        if dropping is not None:
+            reason, detail, counts = dropping
+            dropped[reason] += 1
+            stage_counts.update(counts)
+            if len(examples[reason]) < EXAMPLES_PER_REASON:
+                examples[reason].append(f"{path} row {n}: {detail}")
+            continue
+        records, row_lengths, row_counts = fitted
+        lengths += row_lengths
+        stage_counts.update(row_counts)
+        kept.append(records)
     report = {
         "inputs": [str(p) for p in inputs],
-        "rows_read": read,
+        "rows_read": len(results),
         "rows_kept": len(kept),
         "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
         "dropped_examples": {reason: ex for reason, ex in examples.items() if ex},
