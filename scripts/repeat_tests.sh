@@ -41,7 +41,9 @@ for round in $(seq 1 "$rounds"); do
     round_start=$(date +%s)
     "$PYTHON" -m pytest -p no:cacheprovider "$@" > "$log" 2>&1
     status=$?
-    summary=$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
+    # pytest's last line: "==== 3 passed in 9.1s ====" by default, "3 passed in 9.1s" under -q.
+    summary=$(grep -E '^(=+ )?([0-9]+ [a-z]+|no tests ran)[^=]* in [0-9.]+s( \([0-9:]+\))?( =+)?$' "$log" \
+        | tail -n 1 | tr -d '=' | sed 's/^ *//;s/ *$//')
     echo "round $round/$rounds: exit $status, $(( $(date +%s) - round_start )) s, load $(cut -d' ' -f1-3 /proc/loadavg): ${summary:-no pytest summary (see $log)}"
     if [ "$status" -ne 0 ]; then
         failed_rounds=$((failed_rounds + 1))

@@ -89,28 +89,32 @@ def test_two_nodes_meeting_at_a_c10d_rendezvous_match_one_node(tmp_path, config,
 
 
 def test_max_restarts_resumes_from_the_last_checkpoint_after_a_rank_is_killed(tmp_path, config, one_node_run):
-    """Planted: a checkpoint of the same rank count loaded without its optimizer state: the step
+    """Rank 1 is SIGKILLed where it hangs at the start of step 3 (an injected hang, once: the
+    restarted run goes on), so the kill lands after step 2's checkpoint was committed whatever
+    the machine's speed: the restarted ranks resume step 2. (Until 2026-12-06 the test killed a
+    rank once metrics.jsonl had 2 lines; on the loaded 2-core machine the run once reached its
+    step-4 checkpoint first and resumed at step 4: scripts/repeat_tests.sh round 2 of 10.)
+    Planted: a checkpoint of the same rank count loaded without its optimizer state: the step
     after the resume off by 1.5e-2 (grad norm) and 1.8e-3 (loss)."""
     out_dir = tmp_path / "run"
-    agent = launch(config(out_dir), NPROC="2", MAX_RESTARTS="1")
-    metrics = out_dir / "metrics.jsonl"
+    hung = tmp_path / "hung_once"  # the fault creates it as rank 1 starts to hang
+    agent = launch(config(out_dir), NPROC="2", MAX_RESTARTS="1", HPSFT_TEST_WORKER_FAULT=f"hang:1:3:{hung}")
     deadline = time.monotonic() + 600
     try:
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            assert agent.poll() is None and time.monotonic() < deadline, "the run ended before step 2"
+        while not hung.exists():
+            assert agent.poll() is None and time.monotonic() < deadline, "rank 1 never reached step 3"
             time.sleep(0.5)
         ranks = [p for p in psutil.Process(agent.pid).children(recursive=True)
-                 if "hpsft.train" in " ".join(p.cmdline())]
-        assert len(ranks) == 2
-        os.kill(ranks[-1].pid, signal.SIGKILL)
+                 if "hpsft.train" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
+        assert len(ranks) == 1
+        os.kill(ranks[0].pid, signal.SIGKILL)
     except BaseException:
         kill_tree(agent)
         raise
     output = finish(agent)
     resumed = [line for line in output.splitlines() if line.startswith("resumed from ")]
     assert len(resumed) == 1, output[-4000:]
-    resume_step = int(re.search(r" at step (\d+)", resumed[0]).group(1))
-    assert 1 <= resume_step < STEPS, resumed
+    assert re.search(r"global_step_2 at step 2 ", resumed[0]), resumed
     assert_same_run(out_dir, one_node_run)
 
 

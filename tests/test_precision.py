@@ -14,7 +14,7 @@ pretrained weights), against references computed here without DeepSpeed:
 import pytest
 import torch
 
-from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet
+from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet, write_tiny_llama
 from tests.numerics import relative_error
 
 SCRIPT = str(REPO / "tests" / "dist_scripts" / "capture_step_grads.py")
@@ -168,3 +168,54 @@ def test_bf16_trains_end_to_end_on_cpu(tmp_path, tiny_chat_model, chat_rows):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "hf").config.num_hidden_layers == 2
+
+
+# One round-to-nearest in a dtype moves a value by at most its unit roundoff: 2^-8 of it in
+# bf16 (7 stored mantissa bits), 2^-24 in fp32.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_lora_merge_rounds_each_merged_weight_once_in_the_models_dtype(tmp_path, dtype):
+    """The export's merge (merged_weights) of a model in `dtype` (a bf16 run hands it bf16 base
+    weights and bf16 adapters) against W + scaling * B @ A in fp64 from the same tensors: each
+    merged weight within one rounding to `dtype` of the exact value (plus fp32 rounding of the
+    sum's terms), in `dtype`; every other tensor passed on unchanged. B is drawn (trained
+    adapters are not 0) so that the update is as large as W and cancels it in places, where a
+    merge rounded more than once is off by more than one rounding. Planted: the merge done in
+    the weights' dtype (`B @ A` and the sum without `.float()`): bf16 failed, its worst weight
+    221x its bound (fp32 passed, 0.13). Measured: the worst at 0.99 (bf16; one round-to-nearest
+    reaches 2^-8 just above a power of 2) and 0.13 (fp32) of the bound."""
+    from transformers import AutoModelForCausalLM
+
+    from hpsft.config import LoraConfig
+    from hpsft.models.hf_export import weight_names
+    from hpsft.models.lora import add_lora, lora_layers, merged_weights
+
+    lm = add_lora(AutoModelForCausalLM.from_pretrained(write_tiny_llama(tmp_path / "tiny"), dtype=dtype),
+                  LoraConfig(rank=4, alpha=8), seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    state = lm.state_dict()
+    merged = dict(merged_weights(lm, ((name, state[name]) for name in weight_names(lm))))
+    adapted = {f"{prefix}.weight": layer for prefix, layer in lora_layers(lm).items()}
+    assert adapted and set(merged) == {n for n in state if ".lora_" not in n and ".base_layer." not in n} | set(
+        adapted)
+    worst = 0.0  # the largest error over its allowed bound
+    for name, tensor in merged.items():
+        assert tensor.dtype == dtype, name
+        if name not in adapted:
+            assert torch.equal(tensor, state[name]), name
+            continue
+        layer, prefix = adapted[name], name.removesuffix(".weight")
+        w, a, b = (state[f"{prefix}.{part}.weight"].double() for part in ("base_layer", "lora_A.default",
+                                                                             "lora_B.default"))
+        scaling = layer.scaling["default"]
+        exact = w + scaling * b @ a
+        bound = UNIT_ROUNDOFF[dtype] * exact.abs() + 2.0**-20 * (w.abs() + scaling * b.abs() @ a.abs())
+        worst = max(worst, float(((tensor.double() - exact).abs() / bound).max()))
+    print(f"\n{dtype}: the worst merged weight at {worst:.3f} of its bound")
+    assert worst <= 1.0, f"a merged weight {worst:.2f}x its bound of one rounding to {dtype}"
