@@ -18,26 +18,11 @@ RTOL = 1e-5  # hpsft's fp32 sums against the fp64 reference
 
 
 def independent_terms(model_dir: Path, files: list[str]) -> dict:
-    """Token means over the conversations in `files` under the model in `model_dir`, each
-    conversation alone through the model's own forward, from its logits in fp64 (docs/ops.md):
+    """Token means over the conversations in `files` under the model in `model_dir` (row_counts:
+    each conversation alone through the model's own forward, its logits in fp64; docs/ops.md):
     nll; z_loss = w * lse^2; objective = F.cross_entropy with label smoothing + w * lse^2."""
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    sums, n_tokens = {"nll": 0.0, "z_loss": 0.0, "objective": 0.0}, 0
-    with torch.no_grad():
-        for path in files:
-            for row in pq.read_table(path).to_pylist():
-                ids, mask = (torch.tensor(x) for x in tokenize_conversation(tokenizer, row["messages"]))
-                supervised = mask[1:].bool()  # position t predicts token t + 1
-                logits = lm(input_ids=ids[None], use_cache=False).logits[0, :-1][supervised].double()
-                targets = ids[1:][supervised]
-                z_loss = Z_LOSS_WEIGHT * logits.logsumexp(-1) ** 2
-                sums["nll"] += float(F.cross_entropy(logits, targets, reduction="sum"))
-                sums["z_loss"] += float(z_loss.sum())
-                smoothed = F.cross_entropy(logits, targets, label_smoothing=LABEL_SMOOTHING, reduction="sum")
-                sums["objective"] += float(smoothed + z_loss.sum())
-                n_tokens += int(supervised.sum())
-    return {name: value / n_tokens for name, value in sums.items()}
+    counts = row_counts(str(model_dir), [row for path in files for row in pq.read_table(path).to_pylist()])
+    return {name: total(counts, name) / total(counts, "loss_tokens") for name in ("nll", "z_loss", "objective")}
 
 
 def test_each_loss_term_equals_its_formula_and_val_loss_is_the_plain_nll(tmp_path, model_path, chat_rows):
@@ -96,8 +81,9 @@ AGGREGATE_PEAK = 1e12  # trainer.peak_flops_per_device, per rank
 
 def row_counts(model_dir: str, rows: list) -> list[dict]:
     """Each conversation alone through the model's own forward, its logits in fp64: length
-    (tokens), loss tokens, NLL sum and tokens predicted right (argmax == target) over its loss
-    mask."""
+    (tokens), loss tokens, and over its loss mask the sums of the NLL, the z-loss (w * lse^2),
+    the objective (cross-entropy with label smoothing + z-loss), and the tokens predicted right
+    (argmax == target)."""
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     counts = []
@@ -107,8 +93,11 @@ def row_counts(model_dir: str, rows: list) -> list[dict]:
             supervised = mask[1:].bool()  # position t predicts token t + 1
             logits = lm(input_ids=ids[None], use_cache=False).logits[0, :-1][supervised].double()
             targets = ids[1:][supervised]
+            z_loss = float((Z_LOSS_WEIGHT * logits.logsumexp(-1) ** 2).sum())
+            smoothed = float(F.cross_entropy(logits, targets, label_smoothing=LABEL_SMOOTHING, reduction="sum"))
             counts.append({"length": ids.numel(), "loss_tokens": int(supervised.sum()),
                            "nll": float(F.cross_entropy(logits, targets, reduction="sum")),
+                           "z_loss": z_loss, "objective": smoothed + z_loss,
                            "correct": int((logits.argmax(-1) == targets).sum())})
     return counts
 
@@ -167,8 +156,6 @@ def test_aggregates_over_uneven_batches_ranks_and_sources_are_token_sums(tmp_pat
     metrics = read_metrics(out_dir)
     steps = [m for m in metrics if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
-    print({name: round(token_mean_nll(c), 4) for name, c in sources.items()},
-          {name: total(c, "loss_tokens") for name, c in sources.items()})
     last = metrics[-1]
     assert rel_diff(last["val/loss"], token_mean_nll(val)) <= RTOL, (last["val/loss"], token_mean_nll(val))
     for name in ("val_a", "val_b"):
