@@ -37,11 +37,10 @@ def run_models(folder: Path, models: dict[str, tuple[Callable[[Path], Path], lis
     return torch.load(out)
 
 
-def run_layouts(folder: Path, layouts: list[str], nproc: int,
-                write_model: Callable[[Path], Path] = write_tiny_llama) -> dict:
-    """run_models for one model (the folder named `model`, by default the 2-layer tiny Llama):
-    its results by layout, and the reference."""
-    return run_models(folder, {"model": (write_model, layouts)}, nproc)["model"]
+def run_layouts(folder: Path, layouts: list[str], nproc: int) -> dict:
+    """run_models for the 2-layer tiny Llama alone (the folder named `model`): its results by
+    layout, and the reference."""
+    return run_models(folder, {"model": (write_tiny_llama, layouts)}, nproc)["model"]
 
 
 def assert_norms(norms, reference, what):
