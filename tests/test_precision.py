@@ -150,10 +150,19 @@ def test_bf16_step_accumulates_and_reduces_gradients_in_fp32(fp32_reference, bf1
 
 
 @pytest.mark.slow
-def test_bf16_trains_end_to_end_on_cpu(tmp_path, tiny_chat_model, chat_rows):
+def test_bf16_trains_end_to_end_on_cpu_and_exports_its_fp32_masters(tmp_path, tiny_chat_model, chat_rows):
     """The real CLI in bf16 (ZeRO-1) on tiny_chat_model: training, validation and export run
     on CPU, and the loss falls on 8 conversations seen at every step (lr 1e-2: the random
-    model's loss fell 0.34 in 4 steps at 1e-3)."""
+    model's loss fell 0.34 in 4 steps at 1e-3). The exports against the last checkpoint's fp32
+    master weights: the run's hf/ holds bf16 weights, each the master rounded once to bf16
+    (what a bf16 user loads); `hpsft export` of the checkpoint writes the masters themselves,
+    fp32 bit for bit. The masters must hold values bf16 cannot represent, or the comparison
+    says nothing (measured: 3,207,423 of the 3,207,488). Found by this test: `hpsft export`
+    refused every bf16 ZeRO-1 checkpoint (DeepSpeed's BF16_Optimizer files are "not a zero
+    checkpoint" to zero_to_fp32; fixed in engine/deepspeed/weights.py). Planted: hf/ written in
+    fp16 (`t.half()` on the gathered tensors in TrainingWorker.export_hf): the dtype check failed
+    on model.embed_tokens.weight; `hpsft export` from bf16-rounded masters (`.bfloat16().float()`
+    in checkpoint_weights): 0 of 3,207,488 master values unrepresentable in bf16."""
     train = write_parquet([{"messages": c} for c in chat_rows[:8]], tmp_path / "train.parquet")
     val = write_parquet([{"messages": c} for c in chat_rows[8:12]], tmp_path / "val.parquet")
     out = tmp_path / "run"
@@ -168,6 +177,22 @@ def test_bf16_trains_end_to_end_on_cpu(tmp_path, tiny_chat_model, chat_rows):
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(out / "hf").config.num_hidden_layers == 2
+    from safetensors.torch import load_file
+
+    from hpsft.trainer.export import export, find_checkpoint
+
+    checkpoint = find_checkpoint(out)
+    assert checkpoint.name == "global_step_4", checkpoint
+    export(str(checkpoint), str(tmp_path / "masters"))
+    masters = load_file(tmp_path / "masters" / "model.safetensors")
+    in_run = load_file(out / "hf" / "model.safetensors")
+    assert set(masters) == set(in_run) and masters, sorted(set(masters) ^ set(in_run))
+    unrepresentable = 0
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and in_run[name].dtype == torch.bfloat16, (name, in_run[name].dtype)
+        assert torch.equal(in_run[name], master.to(torch.bfloat16)), name
+        unrepresentable += int((master.to(torch.bfloat16).float() != master).sum())
+    assert unrepresentable > 0.9 * sum(m.numel() for m in masters.values()), unrepresentable
 
 
 # One round-to-nearest in a dtype moves a value by at most its unit roundoff: 2^-8 of it in

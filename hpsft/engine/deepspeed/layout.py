@@ -25,6 +25,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, per parameter in a universal fol
 MODEL_STATES_PER_TP_RANK = "mp_rank_*_model_states.pt"  # below ZeRO-3
 MODEL_STATES_PER_RANK = "zero_pp_rank_*_mp_rank_00_model_states.pt"  # ZeRO-3
 OPTIMIZER_STATES_OF_TP_RANK_0 = "*mp_rank_00_optim_states.pt"  # one per ZeRO rank ([bf16_]zero_pp_rank_<dp>_...)
+# DeepSpeed's BF16_Optimizer's (ZeRO-1 under bf16 with fp32 gradient accumulation, as hpsft runs it)
+BF16_OPTIMIZER_STATES = "bf16_zero_pp_rank_*_optim_states.pt"
 
 
 def model_states(tp_rank: int = 0) -> str:

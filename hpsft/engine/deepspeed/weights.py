@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hpsft.engine.deepspeed.layout import Layout, UniversalState, model_states
+from hpsft.engine.deepspeed.layout import BF16_OPTIMIZER_STATES, Layout, UniversalState, model_states
 from hpsft.engine.deepspeed.universal import to_universal
 
 
@@ -40,10 +40,12 @@ def fp32_weights(folder: Path, scratch: Path) -> Mapping[str, torch.Tensor] | No
         return None
     if layout.universal:
         return UniversalWeights(folder)
-    if layout.tp_size > 1:
+    if layout.tp_size > 1 or any(folder.glob(BF16_OPTIMIZER_STATES)):
         # AutoTP: one model file per TP rank (zero_to_fp32 would read the first TP rank's slices
         # as whole weights). DeepSpeed's universal conversion merges each parameter's slices by
         # the row/column/replicated patterns AutoTP recorded in the checkpoint, onto disk.
+        # BF16_Optimizer's files lack the ZeRO stage zero_to_fp32 reads them by ("is not a zero
+        # checkpoint"); the universal conversion reads their fp32 partitions.
         to_universal(folder, scratch / "universal")
         return UniversalWeights(scratch / "universal")
     if layout.zero_shards or layout.zero3:
