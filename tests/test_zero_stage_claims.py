@@ -26,9 +26,9 @@ def runs(tmp_path_factory):
 def test_each_zero_stage_at_two_ranks_clips_decays_skips_schedules_and_resumes_as_documented(runs, stage):
     """Planted, one at a time (docs/testing.md has the figures): weight decay on every
     parameter (param_groups' 1-D test dropped); the clip skipped on the unsharded path; the
-    scheduler stepped on a skipped step; the engine's skip without ZeRO removed. (The optimizer
-    state left out of the load, load_optimizer_states=False, crashed the launch: no figure; a
-    plant zeroing the moments after the load is still to be run.)"""
+    scheduler stepped on a skipped step; the engine's skip without ZeRO removed; AdamW's moments
+    zeroed after the checkpoint's load (DeepSpeedEngine.load_checkpoint): every stage's resumed
+    step-1 norm 2.5611 vs 2.7460."""
     run = runs[stage]
     assert run["dp_size"] == 2 and run["deepspeed_stage"] == stage
     assert run["skipped_steps"] == 1
