@@ -136,7 +136,9 @@ def test_aggregates_over_uneven_batches_ranks_and_sources_are_token_sums(tmp_pat
     Planted (each alone): val/loss as the mean of the per-chunk means in validate: 20.3543 vs
     19.2767 (5.3e-2); train/loss as the mean of the per-rank means: 18.0760 vs 18.0830 (3.9e-4);
     train/token_accuracy as the mean of the per-rank ratios: off by 7.3e-6 (exact counts agree
-    to 1e-12). Not planted: padding counted in train/tokens (at DP=2 without SP no step here has
+    to 1e-12); the per-source sums taken from rank 0 alone (SAME, not SHARE_PER_SOURCE, in
+    StepResult): train/loss_tokens/train_a 28 vs 63; the MFU peak of one device (peak_flops
+    SAME, not WORK): perf/mfu 0.5 relative off. Not planted: padding counted in train/tokens (at DP=2 without SP no step here has
     padding: perf/padding_efficiency is 1.0)."""
     rows = [{"messages": c} for c in chat_rows[:16]]
     files = {name: write_parquet(part, tmp_path / f"{name}.parquet") for name, part in
