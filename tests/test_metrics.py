@@ -138,8 +138,9 @@ def test_aggregates_over_uneven_batches_ranks_and_sources_are_token_sums(tmp_pat
     train/token_accuracy as the mean of the per-rank ratios: off by 7.3e-6 (exact counts agree
     to 1e-12); the per-source sums taken from rank 0 alone (SAME, not SHARE_PER_SOURCE, in
     StepResult): train/loss_tokens/train_a 28 vs 63; the MFU peak of one device (peak_flops
-    SAME, not WORK): perf/mfu 0.5 relative off. Not planted: padding counted in train/tokens (at DP=2 without SP no step here has
-    padding: perf/padding_efficiency is 1.0)."""
+    SAME, not WORK): perf/mfu 0.5 relative off. Padding counted in train/tokens is planted under SP=2, where rows are padded
+    (test_sequence_parallel::test_an_sp2_checkpoint_resumes_with_sp1): at DP=2 without SP no
+    step here has padding (perf/padding_efficiency is 1.0)."""
     rows = [{"messages": c} for c in chat_rows[:16]]
     files = {name: write_parquet(part, tmp_path / f"{name}.parquet") for name, part in
              {"train_a": rows[:4], "train_b": rows[4:6], "val_a": rows[6:13], "val_b": rows[13:16]}.items()}

@@ -239,7 +239,9 @@ def test_an_sp2_checkpoint_resumes_with_sp1(tmp_path, sp2_run):
     TrainingWorker (its loss-token count over the SP group) against SP=1's.
     Planted: the worker's `// self.sp_size` on the all-reduced loss-token count dropped (SP=2
     counts every token twice): SP=2's grad norms half of SP=1's at steps 2 and 3 (rel diff 0.5),
-    step 3's loss 3.1e-5 off (step 2's, a forward at the loaded weights, equal)."""
+    step 3's loss 3.1e-5 off (step 2's, a forward at the loaded weights, equal). Planted: SP's
+    padding counted in train/tokens (`tokens` from the padded rows' numel in
+    TrainingWorker.train_batch): step 2's train/tokens 396 (SP=2) vs 395 (SP=1)."""
     sp2, overrides = sp2_run
     checkpoint = sp2 / "checkpoints" / "global_step_1"
     resumed = tmp_path / "resumed"
