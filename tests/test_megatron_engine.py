@@ -6,16 +6,18 @@ the clip, the non-finite step skipped without moving the schedule, warmup then c
 without decay on 1-D weights, the whole Hugging Face weights gathered after the steps, and the
 per-rank checkpoint resuming into the same steps. And what the engine's config refuses."""
 
+import subprocess
 from functools import partial
 
 import pytest
 
 from hpsft.config import load_config
 from hpsft.config.schema import EngineConfig
-from tests.conftest import assert_ok, assert_same_steps, base_overrides, chat_parquet, read_metrics, rel_diff, run_cli, \
-    train_steps, write_tiny_llama
+from tests.conftest import REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, cli_command, ray_env, \
+    read_metrics, rel_diff, run_cli, train_steps, write_tiny_llama
 from tests.megatron_models import write_hf_model
 from tests.step_claims import assert_steps_as_documented, run_layouts, run_models
+from tests.test_ray import RAY_WORKERS, private_ray_tmpdir
 from tests.test_spmd_training import max_rel_weight_diff, weights
 
 pytest.importorskip("megatron.core")
@@ -80,25 +82,36 @@ def test_megatron_at_four_ranks_steps_as_documented_against_fp64_reference(four_
 
 
 @pytest.mark.slow
-def test_megatron_pp2_cli_run_equals_one_process_deepspeed_and_exports(tmp_path, tiny_chat_model, chat_rows):
+def test_megatron_pp2_cli_run_on_torchrun_and_ray_equals_one_process_deepspeed_and_exports(
+        tmp_path, tiny_chat_model, chat_rows):
     """The real CLI on real chat rows: PP=2 over 2 ranks (1F1B) vs the DeepSpeed engine in one
     process, 3 steps, validation, export: the same counts, loss, unclipped grad norm and val
     loss within 1e-5, the exported Hugging Face weights within 1e-6. (Measured on the 2-layer
     SmolLM2 by hand: grad norms within 8.1e-8, losses equal, export 8.5e-9; before the padding
-    row was kept still the 1-process run's step-1 grad norm was 1.8e-5 off.) Planted: the padding
-    row's lookups left in its gradient (keep_padding_row_still not registered): step-1 grad norm
-    2.240 vs 1.568, failed."""
+    row was kept still the 1-process run's step-1 grad norm was 1.8e-5 off.) The same PP=2 run
+    on 2 Ray workers (hpsft.train_ray, a local Ray instance of its own) equals the torchrun one
+    (measured by hand: every logged loss and grad norm equal to the last digit). Planted: the
+    padding row's lookups left in its gradient (keep_padding_row_still not registered): step-1
+    grad norm 2.240 vs 1.568, failed; the Ray driver's loss-token count doubled
+    (hpsft/ray/data_parallel.py): Ray's step-1 grad norm 0.784 vs torchrun's 1.568, failed."""
     train, val = chat_parquet(tmp_path, chat_rows)
+    megatron_pp2 = {"engine.name": "megatron", "engine.pipeline_parallel_size": 2}
     runs = {}
-    for name, nproc, extra in (("deepspeed", 1, {}),
-                               ("megatron", 2, {"engine.name": "megatron", "engine.pipeline_parallel_size": 2})):
+    for name, nproc, extra in (("deepspeed", 1, {}), ("megatron", 2, megatron_pp2)):
         runs[name] = tmp_path / name
         assert_ok(run_cli("hpsft.train", base_overrides(tiny_chat_model, train, val, runs[name], **{
             "trainer.total_steps": 3, "trainer.val_every": 3, **extra}), nproc=nproc))
+    runs["megatron on ray"] = tmp_path / "megatron_on_ray"
+    assert_ok(subprocess.run(
+        cli_command("hpsft.train_ray", base_overrides(tiny_chat_model, train, val, runs["megatron on ray"], **{
+            "trainer.total_steps": 3, "trainer.val_every": 3, **megatron_pp2, **RAY_WORKERS})),
+        cwd=REPO, env={**ray_env(), "RAY_TMPDIR": private_ray_tmpdir()}, capture_output=True, text=True, timeout=600))
     assert_same_steps(train_steps(runs["megatron"]), train_steps(runs["deepspeed"]), [1, 2, 3], rtol=1e-5)
-    vals = [read_metrics(runs[name])[-1]["val/loss"] for name in ("megatron", "deepspeed")]
-    assert rel_diff(*vals) < 1e-5, vals
+    assert_same_steps(train_steps(runs["megatron on ray"]), train_steps(runs["megatron"]), [1, 2, 3], rtol=1e-6)
+    vals = [read_metrics(runs[name])[-1]["val/loss"] for name in runs]
+    assert rel_diff(vals[1], vals[2]) < 1e-6 and rel_diff(vals[0], vals[1]) < 1e-5, vals
     assert max_rel_weight_diff(weights(runs["deepspeed"]), weights(runs["megatron"])) < 1e-6
+    assert max_rel_weight_diff(weights(runs["megatron"]), weights(runs["megatron on ray"])) < 1e-6
 
 
 @pytest.mark.parametrize("keys, message", [
