@@ -51,6 +51,23 @@ def torchrun_run(tmp_path_factory, tiny_chat_model, data) -> dict:
     return train_steps(out)
 
 
+def run_two_task_job(tmp_path, slurm_cluster, tiny_chat_model, data, out, **extra) -> tuple[str, str]:
+    """scripts/train_slurm.sbatch as a 2-task job on one node, waited for: (job id, its output)."""
+    train, val = data
+    log = tmp_path / "slurm-%j.out"
+    submit = slurm_cluster.run_with_env(
+        job_env(slurm_cluster), "sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+        "--cpus-per-task=1", f"--chdir={REPO}", f"--output={log}", str(SBATCH_SCRIPT),
+        *base_overrides(tiny_chat_model, train, val, out, **extra))
+    job_id = submit.stdout.strip().split(";")[0]
+    state = slurm_cluster.wait_job(job_id, timeout=300)
+    job_log = tmp_path / f"slurm-{job_id}.out"
+    output = job_log.read_text(errors="replace") if job_log.exists() else "(no job output file)"
+    assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-6000:]}\n{slurm_cluster.logs()}"
+    assert f"hpsft: job {job_id} nodes=localhost tasks=2" in output
+    return job_id, output
+
+
 @pytest.mark.slow
 def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, tiny_chat_model, data,  # noqa: F811
                                                torchrun_run):
@@ -58,26 +75,13 @@ def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, tiny_cha
     the Slurm path's own code, deriving ranks from SLURM_* variables, gives the same ranks as
     torchrun on one node whatever slip it has; a job whose tasks do not form one world fails
     the shard-count check)."""
-    train, val = data
-    extra = {**JOB_CONFIG, "trainer.total_steps": 2, "trainer.export_hf": "true"}
     slurm_out = tmp_path / "slurm_run"
-
-    env = job_env(slurm_cluster)
-    log = tmp_path / "slurm-%j.out"
     t0 = time.monotonic()
-    submit = slurm_cluster.run_with_env(
-        env, "sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1",
-        f"--chdir={REPO}", f"--output={log}", str(SBATCH_SCRIPT),
-        *base_overrides(tiny_chat_model, train, val, slurm_out, **extra))
-    job_id = submit.stdout.strip().split(";")[0]
-    state = slurm_cluster.wait_job(job_id, timeout=300)
-    job_log = tmp_path / f"slurm-{job_id}.out"
-    output = job_log.read_text(errors="replace") if job_log.exists() else "(no job output file)"
-    assert state == "COMPLETED", f"job {job_id} ended {state}\n{output[-6000:]}\n{slurm_cluster.logs()}"
+    job_id, _ = run_two_task_job(tmp_path, slurm_cluster, tiny_chat_model, data, slurm_out,
+                                 **{**JOB_CONFIG, "trainer.total_steps": 2, "trainer.export_hf": "true"})
     slurm_seconds = time.monotonic() - t0
 
     # 2 ranks really ran under srun: one ZeRO optimizer shard per rank in the final checkpoint.
-    assert f"hpsft: job {job_id} nodes=localhost tasks=2" in output
     metrics = read_metrics(slurm_out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert (slurm_out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
@@ -88,6 +92,23 @@ def test_sbatch_two_tasks_trains_like_torchrun(tmp_path, slurm_cluster, tiny_cha
     # norms of both steps (step 2's are taken at the weights step 1 trained).
     assert_same_steps(train_steps(slurm_out), torchrun_run, [1, 2], rtol=1e-5)
     print(f"slurm job {job_id}: {slurm_seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_sbatch_two_tasks_train_the_megatron_engine_at_pp2_like_torchrun(  # noqa: F811
+        tmp_path, slurm_cluster, tiny_chat_model, data, torchrun_run):
+    """engine.name=megatron, PP=2 over the job's 2 tasks (srun's SLURM_* ranks into Megatron's
+    parallel state): both steps' samples, loss and unclipped grad norm equal torchrun's
+    2-rank DeepSpeed run of the same global batch (1e-5, as test_megatron_engine compares
+    Megatron PP=2 with DeepSpeed), one engine file per rank in the checkpoint."""
+    pytest.importorskip("megatron.core")
+    slurm_out = tmp_path / "megatron_pp2"
+    run_two_task_job(tmp_path, slurm_cluster, tiny_chat_model, data, slurm_out,
+                     **{**JOB_CONFIG, "trainer.total_steps": 2, "engine.name": "megatron",
+                        "engine.pipeline_parallel_size": 2})
+    assert sorted(p.name for p in (slurm_out / "checkpoints" / "global_step_2" / "megatron").glob("rank_*.pt")) == [
+        "rank_00000.pt", "rank_00001.pt"]
+    assert_same_steps(train_steps(slurm_out), torchrun_run, [1, 2], rtol=1e-5)
 
 
 PROBE = ("import os; from hpsft.utils.distributed import init_distributed, rank, world_size; init_distributed(); "
