@@ -50,7 +50,10 @@ def test_megatron_at_two_ranks_steps_as_documented_against_fp64_reference(two_ra
     after every forward (run_schedule), so the start-up check's joined the first training
     row's router loss: mixtral_ep2 step 0 norm 1.45175 vs 1.45281 (7.3e-4), step 1 5.49923 vs
     5.39620. (Without the router loss, mixtral_without_router_loss, that bug did not show:
-    the EP=2 norms were the reference's within 8.5e-7.)"""
+    the EP=2 norms were the reference's within 8.5e-7.) Each resumed engine validates the
+    next step's rows before training them (step_claims.py, as trainer.val_before_train does);
+    planted: validation's router logits not taken (infer_batch with router_logits unset):
+    mixtral_ep2 resumed step 0 norm 0.357958 vs 0.358075."""
     model, layout, dp_size = TWO_RANKS[name]
     run = two_rank_runs[model][layout]
     assert run["dp_size"] == dp_size

@@ -180,6 +180,9 @@ def run_model(model: str, layouts: list[str], ckpt: str) -> dict:
         del straight
         resumed = built(model, layout)
         resumed.load_checkpoint(f"{ckpt}/{n}", "saved")
+        # A validation before the resumed steps (trainer.val_before_train): it must leave nothing
+        # behind (an MoE forward's router logits once joined the next training row's loss).
+        resumed.infer_batch([packed_row(batch) for part in steps[SAVED_AFTER] for batch in part])
         resumed_norms, resumed_lrs = run_steps(resumed, steps[SAVED_AFTER:], SAVED_AFTER)
         results[layout]["resumed"] = {"grad_norms": resumed_norms, "lrs": resumed_lrs,
                                       "weights": weights(resumed, names), "global_steps": resumed.steps}
