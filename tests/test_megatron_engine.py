@@ -131,3 +131,23 @@ def test_megatron_engine_refuses_lora_and_dora():
         load_config(None, ["engine.name=megatron", "model.lora.rank=8"])
     with pytest.raises(ValueError, match="model.lora.rank=8, model.lora.use_dora=true with engine.name=megatron"):
         load_config(None, ["engine.name=megatron", "model.lora.rank=8", "model.lora.use_dora=true"])
+
+
+@pytest.mark.slow
+def test_the_tp3_worked_config_trains_smollm2_as_one_deepspeed_process(tmp_path, model_path, chat_rows):
+    """configs/megatron_tp3.yaml as its header runs it (3 ranks), on the 2-layer SmolLM2 (9 and
+    3 heads: TP=3 is its layout) and the test's chat rows, 2 steps: the counts, loss and
+    unclipped grad norm of each step and the final val loss equal one DeepSpeed process's run
+    of the same config (engine.name=deepspeed) within 1e-5. Planted: the vocabulary-parallel
+    loss's d(hidden) not summed over TP (head_loss without sum_grad_over_tp): step-1 grad norm
+    19.70 vs 29.88."""
+    train, val = chat_parquet(tmp_path, chat_rows)
+    config = ["--config", str(REPO / "configs" / "megatron_tp3.yaml")]
+    runs = {"megatron tp3": (3, {}), "deepspeed": (1, {"engine.name": "deepspeed", "engine.tensor_parallel_size": 1})}
+    for name, (nproc, extra) in runs.items():
+        overrides = base_overrides(model_path, train, val, tmp_path / name, **{
+            "trainer.total_steps": 2, "trainer.val_every": 2, "trainer.export_hf": "false", **extra})
+        assert_ok(run_cli("hpsft.train", config + overrides, nproc=nproc))
+    assert_same_steps(train_steps(tmp_path / "megatron tp3"), train_steps(tmp_path / "deepspeed"), [1, 2], rtol=1e-5)
+    vals = [read_metrics(tmp_path / name)[-1]["val/loss"] for name in runs]
+    assert rel_diff(*vals) < 1e-5, vals
