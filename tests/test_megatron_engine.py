@@ -136,8 +136,9 @@ def test_megatron_bf16_accumulates_and_reduces_gradients_in_fp32(bf16_steps, nam
     bound is fp32 rounding, not bf16's (1e-6). Planted: DDP's grad_reduce_in_fp32=False in
     engine.py (bf16 grad buffers, so bf16 accumulation and reduction): against the rows' sum
     dp2 1.00e-3 (1 mb) and 1.74e-3 (4 mb), tp2 0 (1 mb: nothing to add) and 1.48e-3 (4 mb);
-    1 vs 4 mb 2.19e-3 / 1.98e-3; failed (that run asserted the buffers' dtype first:
-    bf16 and fp32)."""
+    all but tp2's 1 mb beyond the 1e-6 bound; 1 vs 4 mb 2.19e-3 (dp2, beyond 2e-3) and 1.98e-3
+    (tp2, within it). Failed (that run asserted the buffers' dtype first: bf16 and fp32; the
+    figures were printed before any assertion)."""
     steps = bf16_steps[name]
     figures = {}  # all measured first: a failure shows every one
     for k, step in steps.items():
