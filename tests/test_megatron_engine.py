@@ -13,10 +13,14 @@ import pytest
 
 from hpsft.config import load_config
 from hpsft.config.schema import EngineConfig
+import torch
+
 from tests.conftest import REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, cli_command, ray_env, \
     read_metrics, rel_diff, run_cli, train_steps, write_tiny_llama
 from tests.megatron_models import write_hf_model
+from tests.numerics import relative_error
 from tests.step_claims import assert_steps_as_documented, run_layouts, run_models
+from tests.test_precision import sequences  # noqa: F401 (the fixture: test_precision's 8 sequences)
 from tests.test_ray import RAY_WORKERS, private_ray_tmpdir
 from tests.test_spmd_training import max_rel_weight_diff, weights
 
@@ -115,6 +119,67 @@ def test_megatron_pp2_cli_run_on_torchrun_and_ray_equals_one_process_deepspeed_a
     assert rel_diff(vals[1], vals[2]) < 1e-6 and rel_diff(vals[0], vals[1]) < 1e-5, vals
     assert max_rel_weight_diff(weights(runs["deepspeed"]), weights(runs["megatron"])) < 1e-6
     assert max_rel_weight_diff(weights(runs["megatron"]), weights(runs["megatron on ray"])) < 1e-6
+
+
+# name: the variant of tests/dist_scripts/capture_step_grads.py; one 2-rank launch runs both.
+BF16_LAYOUTS = {"dp2": "engine.name=megatron engine.tensor_parallel_size=1",
+                "tp2": "engine.name=megatron engine.tensor_parallel_size=2"}
+
+
+@pytest.fixture(scope="module")
+def bf16_steps(tmp_path_factory, tiny_chat_model, sequences) -> dict:  # noqa: F811
+    """layout -> micro-batches -> the captured step (capture_step_grads.py): the 8 sequences
+    of test_precision over the replicas, one step split into 1 and into 4 micro-batches per
+    replica, engine.dtype=bfloat16."""
+    root = tmp_path_factory.mktemp("megatron_bf16")
+    torch.save(sequences, root / "sequences.pt")
+    proc = run_cli(None, [str(root / "sequences.pt"), str(root / "grads.pt"), "1,4", ";".join(BF16_LAYOUTS.values()),
+                          f"model.path={tiny_chat_model}", "engine.dtype=bfloat16"], nproc=2,
+                   script=str(REPO / "tests" / "dist_scripts" / "capture_step_grads.py"))
+    assert_ok(proc)
+    steps = torch.load(root / "grads.pt")
+    return {name: steps[variant] for name, variant in BF16_LAYOUTS.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BF16_LAYOUTS)
+def test_megatron_bf16_accumulates_and_reduces_gradients_in_fp32(bf16_steps, name):
+    """engine.dtype=bfloat16 on tiny_chat_model at DP=2 and TP=2, with 1 and 4 micro-batches
+    per replica, checked as test_precision checks DeepSpeed: bf16 weights, fp32 master weights
+    (most off the bf16 grid after the step), fp32 gradient buffers, and the step's gradient
+    (Megatron's main_grad after accumulation and the DP reduce-scatter) against the fp64 sum of
+    each row's own bf16 gradient taken by the same engine (capture_step_grads.rows_sum): the
+    bound is fp32 rounding, not bf16's (1e-6). Planted: DDP's grad_reduce_in_fp32=False in
+    engine.py (bf16 grad buffers, so bf16 accumulation and reduction): against the rows' sum
+    dp2 1.00e-3 (1 mb) and 1.74e-3 (4 mb), tp2 0 (1 mb: nothing to add) and 1.48e-3 (4 mb);
+    all but tp2's 1 mb beyond the 1e-6 bound; 1 vs 4 mb 2.19e-3 (dp2, beyond 2e-3) and 1.98e-3
+    (tp2, within it). Failed (that run asserted the buffers' dtype first: bf16 and fp32; the
+    figures were printed before any assertion)."""
+    steps = bf16_steps[name]
+    figures = {}  # all measured first: a failure shows every one
+    for k, step in steps.items():
+        figures[f"grad vs fp64 sum of bf16 rows, {k} mb"] = relative_error(step["grads"], step["rows_sum"])
+    figures["grad 1 vs 4 mb"] = relative_error(steps[4]["grads"], {k: g.double() for k, g in steps[1]["grads"].items()})
+    figures["loss 1 vs 4 mb"] = rel_diff(steps[1]["loss"], steps[4]["loss"])
+    shown = "; ".join(f"{what} {value:.2e}" for what, value in figures.items())
+    print(f"\nmegatron bf16 {name}: {shown}; masters beyond bf16 "
+          f"{[round(step['masters_beyond_bf16'], 4) for step in steps.values()]}")
+    for k, step in steps.items():
+        # Accumulation and reduction add fp32 rounding only (measured 6.1e-9 / 1.6e-8 at DP=2,
+        # 0 / 9.8e-9 at TP=2, with 1 / 4 micro-batches).
+        assert figures[f"grad vs fp64 sum of bf16 rows, {k} mb"] < 1e-6, shown
+        # bf16 weights but the RMSNorms' (Megatron's WrappedTorchNorm builds torch.nn.RMSNorm
+        # without params_dtype: fp32 weights, bf16 outputs); fp32 gradient buffers; fp32 masters
+        # (measured: all of them off the bf16 grid after the step).
+        assert step["weight_dtypes"] == ["torch.bfloat16", "torch.float32"], step["weight_dtypes"]
+        assert step["fp32_weights"] and all("layernorm" in n for n in step["fp32_weights"]), step["fp32_weights"]
+        assert step["grad_dtypes"] == ["torch.float32"], step["grad_dtypes"]
+        assert step["masters_beyond_bf16"] > 0.5, step["masters_beyond_bf16"]
+        assert 0 < step["loss"] < 20, step["loss"]
+    # 1 vs 4 micro-batches: 1.4e-3 apart (bf16 backward passes over differently packed rows
+    # round differently), as for DeepSpeed; the losses (fp32 sums) 1.4e-8 / 2.7e-8.
+    assert figures["grad 1 vs 4 mb"] < 2e-3, shown
+    assert figures["loss 1 vs 4 mb"] < 5e-3, shown
 
 
 @pytest.mark.parametrize("keys, message", [
