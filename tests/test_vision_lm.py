@@ -1,0 +1,218 @@
+"""Vision-language models on packed rows (hpsft/models/packed_vision_lm.py) against the model's
+own Hugging Face forward run on each conversation alone: a tiny Qwen2-VL built from its config
+classes, the SmolLM2 tokenizer with Qwen2-VL's image tokens added, and real photographs
+(scikit-image's astronaut, coffee and chelsea) at three different sizes, processed by
+transformers' Qwen2VLImageProcessorPil; placeholders expanded by the processor's rule
+(grid_t * grid_h * grid_w / merge_size**2 image tokens per image)."""
+
+import pytest
+import torch
+
+from hpsft.data.batch import collate_jagged, packed_row
+from hpsft.models.families import UnsupportedModel
+from hpsft.models.packed_vision_lm import PackedVisionLM, vision_modules
+from tests.conftest import TEST_MODEL
+
+IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# (photograph, (width, height)) per image of each conversation, its question, its answer. The
+# text-only chat sits between the two image chats: positions restart after it, and the image
+# order crosses it.
+CONVERSATIONS = [
+    ([("astronaut", (56, 56))], "What is in this picture?", "An astronaut in a white suit, smiling."),
+    ([], "Say hello.", "Hello there!"),
+    ([("coffee", (84, 56)), ("chelsea", (112, 84))], "Compare the two pictures.", "A cup of coffee, then a cat."),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TEST_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    return tok
+
+
+def tiny_qwen2_vl(tok, seed: int = 0):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = dict(zip(IMAGE_TOKENS, tok.convert_tokens_to_ids(IMAGE_TOKENS)))
+    config = Qwen2VLConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": None, "eos_token_id": None,
+                     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}},
+        vision_config={"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    return Qwen2VLForConditionalGeneration(config).float()
+
+
+@pytest.fixture(scope="module")
+def conversations(tokenizer):
+    """Per conversation: input_ids, loss_mask (its answer), pixel_values, image_grid_thw."""
+    from PIL import Image
+    from skimage import data
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+    out = []
+    for images, question, answer in CONVERSATIONS:
+        processed = [processor(images=Image.fromarray(getattr(data, name)()).resize(size), return_tensors="pt")
+                     for name, size in images]
+        placeholders = "".join(
+            "<|vision_start|>" + "<|image_pad|>" * int(p["image_grid_thw"][0].prod() // processor.merge_size**2)
+            + "<|vision_end|>" for p in processed)
+        prompt = tokenizer(f"<|im_start|>user\n{placeholders}{question}<|im_end|>\n<|im_start|>assistant\n",
+                           add_special_tokens=False)["input_ids"]
+        reply = tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
+        out.append({
+            "input_ids": torch.tensor(prompt + reply),
+            "loss_mask": torch.tensor([False] * len(prompt) + [True] * len(reply)),
+            "pixel_values": torch.cat([p["pixel_values"] for p in processed]) if processed else None,
+            "image_grid_thw": torch.cat([p["image_grid_thw"] for p in processed]) if processed else None,
+        })
+    grids = [tuple(g.tolist()) for c in out if c["image_grid_thw"] is not None for g in c["image_grid_thw"]]
+    assert len(set(grids)) == 3, grids  # three different sizes
+    return out
+
+
+def vision_row(conversations) -> dict:
+    """The packed vision micro-batch of these conversations (packed_vision_lm.py's contract)."""
+    row = packed_row(collate_jagged([{"input_ids": c["input_ids"], "loss_mask": c["loss_mask"], "index": i}
+                                     for i, c in enumerate(conversations)]))
+    row["pixel_values"] = torch.cat([c["pixel_values"] for c in conversations if c["pixel_values"] is not None])
+    row["image_grid_thw"] = torch.cat([c["image_grid_thw"] for c in conversations if c["image_grid_thw"] is not None])
+    return row
+
+
+def grad_norm(module) -> float:
+    return torch.sqrt(sum((p.grad.double() ** 2).sum() for p in module.parameters() if p.grad is not None)).item()
+
+
+def own_forward_loss(lm, conversations) -> tuple[float, float]:
+    """The model's own forward (eager text attention) on each conversation alone: the summed
+    cross-entropy of its answer tokens over all conversations' answer tokens, and the unclipped
+    gradient norm of that loss."""
+    lm.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    lm.zero_grad(set_to_none=True)
+    total, n_tokens = 0.0, 0
+    for c in conversations:
+        ids = c["input_ids"]
+        images = {} if c["pixel_values"] is None else {
+            "pixel_values": c["pixel_values"], "image_grid_thw": c["image_grid_thw"],
+            "mm_token_type_ids": (ids == lm.config.image_token_id).int()[None]}
+        logits = lm(input_ids=ids[None], use_cache=False, **images).logits[0]
+        targets = c["loss_mask"][1:]
+        total = total + torch.nn.functional.cross_entropy(logits[:-1][targets], ids[1:][targets], reduction="sum")
+        n_tokens += int(targets.sum())
+    loss = total / n_tokens
+    loss.backward()
+    return loss.item(), grad_norm(lm)
+
+
+def packed_loss(lm, row, freeze_vision: bool = False) -> tuple[float, float, PackedVisionLM]:
+    lm.set_attn_implementation({"text_config": "hpsft_varlen", "vision_config": "sdpa"})
+    packed = PackedVisionLM(lm, freeze_vision=freeze_vision)
+    packed.zero_grad(set_to_none=True)
+    out = packed(**row)
+    loss = out["loss"] / out["n_tokens"]
+    loss.backward()
+    return loss.item(), grad_norm(packed), packed
+
+
+def test_packed_image_chats_equal_the_models_own_forward_per_conversation(tokenizer, conversations):
+    """Three chats in one packed row (one image; text only; two images), three image sizes:
+    the loss and the unclipped gradient norm equal the model's own forward per conversation
+    (fp32, <= 1e-5 relative); the vision tower gets a gradient.
+
+    Measured: loss 10.823174 both (rel 0.0), grad norm 3.1669555 vs 3.1669554 (rel 2.5e-08).
+    Planted bugs, each seen failing here:
+    - an image's features given to its neighbour (the per-image features rotated by one
+      image before the scatter): loss rel 3.6e-04, grad norm 3.1912 vs 3.1670 (rel 7.6e-03).
+    - the 3-D positions dropped (every token at its 1-D text position, images included):
+      loss rel 1.1e-05, grad norm 3.16637 vs 3.16696 (rel 1.8e-04).
+    Positions not restarted at a boundary: see the next test (invisible to the loss).
+    """
+    lm = tiny_qwen2_vl(tokenizer)
+    ref_loss, ref_norm = own_forward_loss(lm, conversations)
+    loss, norm, packed = packed_loss(lm, vision_row(conversations))
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for m in vision_modules(lm) for p in m.parameters())
+
+
+def test_rope_positions_restart_at_every_packed_boundary(tokenizer, conversations):
+    """The row's M-RoPE positions are each conversation's own (the model's get_rope_index on
+    it alone; text-only: 0.. on all three axes, as the model's forward takes it), so they
+    restart at 0 at every boundary.
+
+    RoPE sees only position differences inside a sequence, so positions shifted by a constant
+    per sequence leave the loss exact: the planted bug "positions not restarted at a packed
+    boundary" (each sequence's positions + its start in the row) moved the equality test above
+    by nothing (loss rel 0.0, grad norm rel 3.8e-08, rounding) and is caught here instead:
+    planted, this test failed (sequence 1 starting at 31, not 0)."""
+    lm = tiny_qwen2_vl(tokenizer)
+    row = vision_row(conversations)
+    packed = PackedVisionLM(lm)
+    image_mask = row["input_ids"][0] == lm.config.image_token_id
+    ours = packed.rope_positions(row["input_ids"], row["offsets"], image_mask, row["image_grid_thw"])
+    own = []
+    for c in conversations:
+        ids = c["input_ids"]
+        if c["image_grid_thw"] is None:
+            own.append(torch.arange(ids.numel()).view(1, 1, -1).expand(3, 1, -1))
+        else:
+            own.append(lm.model.get_rope_index(ids[None], mm_token_type_ids=(ids == lm.config.image_token_id).int()[None],
+                                               image_grid_thw=c["image_grid_thw"])[0])
+    starts = row["offsets"][:-1]
+    assert ours[:, 0, starts].eq(0).all(), ours[:, 0, starts]
+    assert torch.equal(ours, torch.cat(own, dim=2))
+    # The image tokens do carry 2-D positions (height and width differ somewhere).
+    assert not torch.equal(ours[1, 0, image_mask], ours[2, 0, image_mask])
+
+
+def test_frozen_vision_tower_gets_no_gradient_and_stays_unchanged(tokenizer, conversations):
+    """freeze_vision=True: no parameter of the vision tower or its projector (Qwen2-VL's
+    `visual`, merger included) has a gradient after backward, and an AdamW step with weight
+    decay leaves them bit-identical while the decoder moves.
+
+    Planted bug, seen failing: freeze_vision ignored (the tower left trainable): the
+    vision parameters had gradients (the first assertion failed)."""
+    lm = tiny_qwen2_vl(tokenizer)
+    _, _, packed = packed_loss(lm, vision_row(conversations), freeze_vision=True)
+    tower = [p for m in vision_modules(lm) for p in m.parameters()]
+    assert all(p.grad is None for p in tower)
+    before = [p.detach().clone() for p in tower]
+    decoder_before = lm.model.language_model.layers[0].mlp.up_proj.weight.detach().clone()
+    optimizer = torch.optim.AdamW([p for p in packed.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(tower, before))
+    assert not torch.equal(lm.model.language_model.layers[0].mlp.up_proj.weight, decoder_before)
+
+
+def test_a_row_whose_placeholders_do_not_match_its_images_is_refused(tokenizer, conversations):
+    """One image left out of image_grid_thw/pixel_values: refused, naming the sequence.
+    Planted bug, seen failing: the per-sequence count check skipped (get_rope_index then
+    raised a bare StopIteration)."""
+    lm = tiny_qwen2_vl(tokenizer)
+    row = vision_row(conversations)
+    row["image_grid_thw"], row["pixel_values"] = row["image_grid_thw"][:2], row["pixel_values"][:16 + 24]
+    with pytest.raises(ValueError, match="sequence 2 has"):
+        PackedVisionLM(lm)(**row)
+
+
+def test_other_vision_language_models_are_refused_by_name():
+    """Planted bug, seen failing: the class check skipped (a KeyError, not UnsupportedModel)."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    config = LlavaNextConfig(
+        text_config={"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        image_token_index=63)
+    with pytest.raises(UnsupportedModel, match="LlavaNextForConditionalGeneration"):
+        PackedVisionLM(LlavaNextForConditionalGeneration(config))
