@@ -33,21 +33,31 @@ def tokenizer():
     return tok
 
 
-def tiny_qwen2_vl(tok, seed: int = 0):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+# Qwen2.5-VL's tower: windowed attention in block 0 (windows of 2 x 2 merged patches: each
+# test image spans several), full attention in block 1.
+VISION_CONFIGS = {
+    "qwen2_vl": {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64},
+    "qwen2_5_vl": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                   "window_size": 56, "fullatt_block_indexes": [1]},
+}
+
+
+def tiny_qwen2_vl(tok, family: str = "qwen2_vl", seed: int = 0):
+    """A 2-layer Qwen2-VL (or Qwen2.5-VL) with a 2-block vision tower, from its config classes."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     ids = dict(zip(IMAGE_TOKENS, tok.convert_tokens_to_ids(IMAGE_TOKENS)))
-    config = Qwen2VLConfig(
+    config = AutoConfig.for_model(
+        family,
         text_config={"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": None, "eos_token_id": None,
                      "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}},
-        vision_config={"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, "hidden_size": 64,
-                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        vision_config={**VISION_CONFIGS[family], "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    return Qwen2VLForConditionalGeneration(config).float()
+    return AutoModelForImageTextToText.from_config(config).float()
 
 
 @pytest.fixture(scope="module")
@@ -123,20 +133,25 @@ def packed_loss(lm, row, freeze_vision: bool = False) -> tuple[float, float, Pac
     return loss.item(), grad_norm(packed), packed
 
 
-def test_packed_image_chats_equal_the_models_own_forward_per_conversation(tokenizer, conversations):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_packed_image_chats_equal_the_models_own_forward_per_conversation(tokenizer, conversations, family):
     """Three chats in one packed row (one image; text only; two images), three image sizes:
     the loss and the unclipped gradient norm equal the model's own forward per conversation
     (fp32, <= 1e-5 relative); the vision tower gets a gradient.
 
-    Measured: loss 10.823174 both (rel 0.0), grad norm 3.1669555 vs 3.1669554 (rel 2.5e-08).
+    Measured: Qwen2-VL loss rel 0.0, grad norm 3.1669555 vs 3.1669554 (rel 2.5e-08); Qwen2.5-VL
+    (windowed vision attention) loss rel 1.8e-07, grad norm rel 2.3e-09.
     Planted bugs, each seen failing here:
     - an image's features given to its neighbour (the per-image features rotated by one
-      image before the scatter): loss rel 3.6e-04, grad norm 3.1912 vs 3.1670 (rel 7.6e-03).
+      image before the scatter): Qwen2-VL loss rel 3.6e-04, grad norm 3.1912 vs 3.1670
+      (rel 7.6e-03); Qwen2.5-VL loss rel 6.4e-04, grad norm rel 1.8e-02.
     - the 3-D positions dropped (every token at its 1-D text position, images included):
       loss rel 1.1e-05, grad norm 3.16637 vs 3.16696 (rel 1.8e-04).
     Positions not restarted at a boundary: see the next test (invisible to the loss).
     """
-    lm = tiny_qwen2_vl(tokenizer)
+    lm = tiny_qwen2_vl(tokenizer, family)
+    assert type(lm).__name__ == {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
     ref_loss, ref_norm = own_forward_loss(lm, conversations)
     loss, norm, packed = packed_loss(lm, vision_row(conversations))
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
