@@ -1,9 +1,11 @@
 """Vision-language models on packed rows (hpsft/models/packed_vision_lm.py) against the model's
-own Hugging Face forward run on each conversation alone: a tiny Qwen2-VL built from its config
-classes, the SmolLM2 tokenizer with Qwen2-VL's image tokens added, and real photographs
-(scikit-image's astronaut, coffee and chelsea) at three different sizes, processed by
-transformers' Qwen2VLImageProcessorPil; placeholders expanded by the processor's rule
-(grid_t * grid_h * grid_w / merge_size**2 image tokens per image)."""
+own Hugging Face forward run on each conversation alone: tiny Qwen2-VL, Qwen2.5-VL and LLaVA
+(CLIP tower, Llama decoder) models built from their config classes, the SmolLM2 tokenizer
+with the image tokens added, and real photographs (scikit-image's astronaut, coffee and
+chelsea) at three different sizes, processed by transformers' Qwen2VLImageProcessorPil (each
+at its own size) or CLIPImageProcessorPil (all to the tower's size); placeholders expanded by
+the processors' rules (Qwen2-VL: grid_t * grid_h * grid_w / merge_size**2 image tokens per
+image; LLaVA: (side / patch)**2)."""
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from hpsft.models.families import UnsupportedModel
 from hpsft.models.packed_vision_lm import PackedVisionLM, vision_modules
 from tests.conftest import TEST_MODEL
 
-IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<image>"]
+LLAVA_IMAGE = 42  # the tiny LLaVA tower's image side (3 x 3 patches of 14)
 # (photograph, (width, height)) per image of each conversation, its question, its answer. The
 # text-only chat sits between the two image chats: positions restart after it, and the image
 # order crosses it.
@@ -60,41 +63,76 @@ def tiny_qwen2_vl(tok, family: str = "qwen2_vl", seed: int = 0):
     return AutoModelForImageTextToText.from_config(config).float()
 
 
-@pytest.fixture(scope="module")
-def conversations(tokenizer):
-    """Per conversation: input_ids, loss_mask (its answer), pixel_values, image_grid_thw."""
+def image_chats(tokenizer, process, placeholder) -> list[dict]:
+    """Per conversation of CONVERSATIONS: input_ids, loss_mask (its answer), and its images'
+    pixel_values (and image_grid_thw), or None without images. process(PIL image): the
+    processor's output for one image; placeholder(that output): its expanded placeholder text."""
     from PIL import Image
     from skimage import data
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
     out = []
     for images, question, answer in CONVERSATIONS:
-        processed = [processor(images=Image.fromarray(getattr(data, name)()).resize(size), return_tensors="pt")
-                     for name, size in images]
-        placeholders = "".join(
-            "<|vision_start|>" + "<|image_pad|>" * int(p["image_grid_thw"][0].prod() // processor.merge_size**2)
-            + "<|vision_end|>" for p in processed)
+        processed = [process(Image.fromarray(getattr(data, name)()).resize(size)) for name, size in images]
+        placeholders = "".join(placeholder(p) for p in processed)
         prompt = tokenizer(f"<|im_start|>user\n{placeholders}{question}<|im_end|>\n<|im_start|>assistant\n",
                            add_special_tokens=False)["input_ids"]
         reply = tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
-        out.append({
-            "input_ids": torch.tensor(prompt + reply),
-            "loss_mask": torch.tensor([False] * len(prompt) + [True] * len(reply)),
-            "pixel_values": torch.cat([p["pixel_values"] for p in processed]) if processed else None,
-            "image_grid_thw": torch.cat([p["image_grid_thw"] for p in processed]) if processed else None,
-        })
+        chat = {"input_ids": torch.tensor(prompt + reply),
+                "loss_mask": torch.tensor([False] * len(prompt) + [True] * len(reply))}
+        for key in ("pixel_values", "image_grid_thw"):
+            chat[key] = torch.cat([p[key] for p in processed]) if processed and key in processed[0] else None
+        out.append(chat)
+    return out
+
+
+def tiny_llava(tok, seed: int = 0):
+    """A 2-layer Llama decoder behind a 2-layer CLIP tower and LLaVA's projector, from its config classes."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "bos_token_id": None, "eos_token_id": None},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE, "patch_size": 14},
+        image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    return LlavaForConditionalGeneration(config).float()
+
+
+@pytest.fixture(scope="module")
+def conversations(tokenizer):
+    """Qwen2-VL's: images at their own sizes, cut into patches by Qwen2VLImageProcessorPil."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+    out = image_chats(
+        tokenizer, lambda image: processor(images=image, return_tensors="pt"),
+        lambda p: "<|vision_start|>" + "<|image_pad|>" * int(p["image_grid_thw"][0].prod() // processor.merge_size**2)
+        + "<|vision_end|>")
     grids = [tuple(g.tolist()) for c in out if c["image_grid_thw"] is not None for g in c["image_grid_thw"]]
     assert len(set(grids)) == 3, grids  # three different sizes
     return out
+
+
+@pytest.fixture(scope="module")
+def llava_conversations(tokenizer):
+    """LLaVA's: each photograph resized and cropped to the tower's 42 x 42 by CLIPImageProcessorPil,
+    (42 / 14)**2 = 9 <image> tokens each (the "default" strategy drops the CLS feature)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    processor = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE}, crop_size=LLAVA_IMAGE)
+    return image_chats(tokenizer, lambda image: processor(images=image, return_tensors="pt"),
+                       lambda p: "<image>" * (LLAVA_IMAGE // 14) ** 2)
 
 
 def vision_row(conversations) -> dict:
     """The packed vision micro-batch of these conversations (packed_vision_lm.py's contract)."""
     row = packed_row(collate_jagged([{"input_ids": c["input_ids"], "loss_mask": c["loss_mask"], "index": i}
                                      for i, c in enumerate(conversations)]))
-    row["pixel_values"] = torch.cat([c["pixel_values"] for c in conversations if c["pixel_values"] is not None])
-    row["image_grid_thw"] = torch.cat([c["image_grid_thw"] for c in conversations if c["image_grid_thw"] is not None])
+    for key in ("pixel_values", "image_grid_thw"):
+        if any(c[key] is not None for c in conversations):
+            row[key] = torch.cat([c[key] for c in conversations if c[key] is not None])
     return row
 
 
@@ -111,9 +149,10 @@ def own_forward_loss(lm, conversations) -> tuple[float, float]:
     total, n_tokens = 0.0, 0
     for c in conversations:
         ids = c["input_ids"]
-        images = {} if c["pixel_values"] is None else {
-            "pixel_values": c["pixel_values"], "image_grid_thw": c["image_grid_thw"],
-            "mm_token_type_ids": (ids == lm.config.image_token_id).int()[None]}
+        images = {} if c["pixel_values"] is None else {"pixel_values": c["pixel_values"]}
+        if c["image_grid_thw"] is not None:
+            images |= {"image_grid_thw": c["image_grid_thw"],
+                       "mm_token_type_ids": (ids == lm.config.image_token_id).int()[None]}
         logits = lm(input_ids=ids[None], use_cache=False, **images).logits[0]
         targets = c["loss_mask"][1:]
         total = total + torch.nn.functional.cross_entropy(logits[:-1][targets], ids[1:][targets], reduction="sum")
@@ -133,30 +172,39 @@ def packed_loss(lm, row, freeze_vision: bool = False) -> tuple[float, float, Pac
     return loss.item(), grad_norm(packed), packed
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
-def test_packed_image_chats_equal_the_models_own_forward_per_conversation(tokenizer, conversations, family):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
+def test_packed_image_chats_equal_the_models_own_forward_per_conversation(request, tokenizer, family):
     """Three chats in one packed row (one image; text only; two images), three image sizes:
     the loss and the unclipped gradient norm equal the model's own forward per conversation
     (fp32, <= 1e-5 relative); the vision tower gets a gradient.
 
     Measured: Qwen2-VL loss rel 0.0, grad norm 3.1669555 vs 3.1669554 (rel 2.5e-08); Qwen2.5-VL
-    (windowed vision attention) loss rel 1.8e-07, grad norm rel 2.3e-09.
+    (windowed vision attention) loss rel 1.8e-07, grad norm rel 2.3e-09; LLaVA loss rel 1.8e-07,
+    grad norm 5.0172358 vs 5.0172362 (rel 7.1e-08).
     Planted bugs, each seen failing here:
     - an image's features given to its neighbour (the per-image features rotated by one
       image before the scatter): Qwen2-VL loss rel 3.6e-04, grad norm 3.1912 vs 3.1670
-      (rel 7.6e-03); Qwen2.5-VL loss rel 6.4e-04, grad norm rel 1.8e-02.
-    - the 3-D positions dropped (every token at its 1-D text position, images included):
+      (rel 7.6e-03); Qwen2.5-VL loss rel 6.4e-04, grad norm rel 1.8e-02; LLaVA (images of one
+      size after its processor) loss rel 6.7e-04, grad norm 5.151 vs 5.017 (rel 2.7e-02).
+    - (Qwen2-VL) the 3-D positions dropped (every token at its 1-D text position, images included):
       loss rel 1.1e-05, grad norm 3.16637 vs 3.16696 (rel 1.8e-04).
-    Positions not restarted at a boundary: see the next test (invisible to the loss).
+    Positions not restarted at a boundary: see the next test (invisible to the loss; LLaVA's
+    1-D positions run 0..T-1 over the whole row: loss rel 0.0, grad norm rel 1.2e-07).
     """
-    lm = tiny_qwen2_vl(tokenizer, family)
+    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer, family)
     assert type(lm).__name__ == {"qwen2_vl": "Qwen2VLForConditionalGeneration",
-                                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
+                                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                 "llava": "LlavaForConditionalGeneration"}[family]
+    conversations = request.getfixturevalue("llava_conversations" if family == "llava" else "conversations")
     ref_loss, ref_norm = own_forward_loss(lm, conversations)
+    ref_trained = {name for name, p in lm.named_parameters() if p.grad is not None}
     loss, norm, packed = packed_loss(lm, vision_row(conversations))
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
     assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for m in vision_modules(lm) for p in m.parameters())
+    # The same parameters get gradients (LLaVA's features come from the tower's second-to-last
+    # layer: its last layer gets none, in the model's own forward too), the tower and projector too.
+    assert {name for name, p in packed.named_parameters() if p.grad is not None} == ref_trained
+    assert all(any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters()) for m in vision_modules(lm))
 
 
 def test_rope_positions_restart_at_every_packed_boundary(tokenizer, conversations):
@@ -180,8 +228,9 @@ def test_rope_positions_restart_at_every_packed_boundary(tokenizer, conversation
         if c["image_grid_thw"] is None:
             own.append(torch.arange(ids.numel()).view(1, 1, -1).expand(3, 1, -1))
         else:
-            own.append(lm.model.get_rope_index(ids[None], mm_token_type_ids=(ids == lm.config.image_token_id).int()[None],
-                                               image_grid_thw=c["image_grid_thw"])[0])
+            types = (ids == lm.config.image_token_id).int()[None]
+            grids = c["image_grid_thw"]
+            own.append(lm.model.get_rope_index(ids[None], mm_token_type_ids=types, image_grid_thw=grids)[0])
     starts = row["offsets"][:-1]
     assert ours[:, 0, starts].eq(0).all(), ours[:, 0, starts]
     assert torch.equal(ours, torch.cat(own, dim=2))
@@ -189,14 +238,17 @@ def test_rope_positions_restart_at_every_packed_boundary(tokenizer, conversation
     assert not torch.equal(ours[1, 0, image_mask], ours[2, 0, image_mask])
 
 
-def test_frozen_vision_tower_gets_no_gradient_and_stays_unchanged(tokenizer, conversations):
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_frozen_vision_tower_gets_no_gradient_and_stays_unchanged(request, tokenizer, family):
     """freeze_vision=True: no parameter of the vision tower or its projector (Qwen2-VL's
-    `visual`, merger included) has a gradient after backward, and an AdamW step with weight
-    decay leaves them bit-identical while the decoder moves.
+    `visual`, merger included; LLaVA's vision_tower and multi_modal_projector) has a gradient
+    after backward, and an AdamW step with weight decay leaves them bit-identical while the
+    decoder moves.
 
-    Planted bug, seen failing: freeze_vision ignored (the tower left trainable): the
-    vision parameters had gradients (the first assertion failed)."""
-    lm = tiny_qwen2_vl(tokenizer)
+    Planted bug, seen failing for both families: freeze_vision ignored (the tower left
+    trainable): the vision parameters had gradients (the first assertion failed)."""
+    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer)
+    conversations = request.getfixturevalue("llava_conversations" if family == "llava" else "conversations")
     _, _, packed = packed_loss(lm, vision_row(conversations), freeze_vision=True)
     tower = [p for m in vision_modules(lm) for p in m.parameters()]
     assert all(p.grad is None for p in tower)
