@@ -283,3 +283,12 @@ def test_other_vision_language_models_are_refused_by_name():
         image_token_index=63)
     with pytest.raises(UnsupportedModel, match="LlavaNextForConditionalGeneration"):
         PackedVisionLM(LlavaNextForConditionalGeneration(config))
+
+
+def test_the_text_path_refuses_a_vision_language_model(tokenizer):
+    """check_supported (the trainer's text path) refuses a model with a vision tower by name.
+    Planted bug, seen failing: the vision_config check removed (DID NOT RAISE)."""
+    from hpsft.models.families import check_supported
+
+    with pytest.raises(UnsupportedModel, match="'qwen2_vl' with a vision tower"):
+        check_supported(tiny_qwen2_vl(tokenizer), "hpsft_varlen")
