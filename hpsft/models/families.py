@@ -47,6 +47,9 @@ def refuse(config, option: str, why: str):
 def check_supported(lm: nn.Module, attn_implementation: str) -> None:
     """Refuse, naming the model type and option, what hpsft's packed path does not compute."""
     config = lm.config
+    if getattr(config, "vision_config", None) is not None:
+        refuse(config, "a vision tower", "the text path would drop its images; vision-language models train "
+               "through hpsft/models/packed_vision_lm.py, which the trainer does not run yet")
     if getattr(config, "is_encoder_decoder", False):
         refuse(config, "is_encoder_decoder=True", "hpsft trains decoder-only causal LMs")
     if getattr(config, "attention_chunk_size", None):

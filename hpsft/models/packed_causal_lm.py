@@ -86,11 +86,18 @@ class PackedCausalLM(nn.Module):
         self.training = mode
         return self
 
-    def hidden_states(self, input_ids, position_ids, offsets, max_length: int | None = None):
+    def decoder_inputs(self, input_ids, position_ids, offsets) -> dict:
+        """What the decoder takes for this row besides the sequence boundaries: the tokens and
+        their positions. A vision-language model (packed_vision_lm.py) gives embeddings with its
+        image features in them, and its own positions, from further model inputs."""
+        return {"input_ids": input_ids, "position_ids": position_ids}
+
+    def hidden_states(self, input_ids, position_ids, offsets, max_length: int | None = None, **model_inputs):
         """The decoder's last hidden state (T, H), scaled as the family scales its logits, and
         the router logits per layer (MoE with the router loss on; else None). max_length: the
         row's longest sequence when the caller knows it on the host (packed_row); else it is
-        read back from the device offsets (one wait for the device)."""
+        read back from the device offsets (one wait for the device). model_inputs: what
+        decoder_inputs takes besides the row (a vision-language model's pixels)."""
         # cu_seq_lens/max_length: the sequence boundaries for varlen attention (ours, flash-attn),
         # computed once per forward rather than by every layer. int32, as flash-attn's and torch's
         # varlen kernels require. Under sequence parallelism input_ids are a slice and offsets the
@@ -100,7 +107,7 @@ class PackedCausalLM(nn.Module):
             max_length = longest_sequence(offsets)
         with_router = self.output_side.router_aux_loss is not None
         out = self.lm.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            **self.decoder_inputs(input_ids, position_ids, offsets, **model_inputs), use_cache=False,
             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max_length, max_length_k=max_length,
             **({"output_router_logits": True} if with_router else {}),
             **({"sequence_parallel": self.sequence_parallel} if self.sequence_parallel else {}),
@@ -134,7 +141,8 @@ class PackedCausalLM(nn.Module):
 
     def forward(self, input_ids, position_ids, offsets, loss_mask=None, labels=None, slice_start: int = 0,
                 per_sequence: bool = False, sequence_nll: bool = False, max_length: int | None = None,
-                loss_grad_scale: float | None = None, head_grad_into: torch.Tensor | None = None) -> dict:
+                loss_grad_scale: float | None = None, head_grad_into: torch.Tensor | None = None,
+                **model_inputs) -> dict:
         """The row's loss terms, as sums over its loss tokens:
           loss            the training objective: cross-entropy (with z-loss and label
                           smoothing when set) + router_aux_loss_coef * router_aux_loss * n_tokens
@@ -156,10 +164,11 @@ class PackedCausalLM(nn.Module):
         scaling); with it, head_grad_into: an fp32 tensor of the head weight's shape (the
         engine's own gradient of it) into which the loss sums d(weight), already scaled, in
         this forward; autograd then gets no gradient of the head weight from the loss.
+        model_inputs: the row's further inputs of decoder_inputs (none for a text model).
         """
         if labels is None:
             labels = shifted_labels(input_ids[0], loss_mask, offsets)
-        hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets, max_length)
+        hidden, router_logits = self.hidden_states(input_ids, position_ids, offsets, max_length, **model_inputs)
         out = self.token_losses(hidden, labels, "none" if per_sequence else "sum", loss_grad_scale, head_grad_into)
         if per_sequence:
             return row_terms(out, labels, offsets, slice_start, per_sequence=True)

@@ -1,0 +1,147 @@
+"""A vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA) run on one packed row of image chats.
+
+The packed vision micro-batch (what the data stage hands this module):
+  input_ids      (1, T) the text packed row of data/batch.py: each conversation's tokens with
+                 every image's placeholder ALREADY EXPANDED as the model's processor expands it
+                 (Qwen2-VL: <|vision_start|>, then grid_t * grid_h * grid_w / merge_size**2
+                 copies of config.image_token_id, then <|vision_end|>)
+  position_ids   (1, T) restarting at 0 at every sequence (the text positions; packed_row)
+  offsets        (B + 1,) the sequences' boundaries (cu_seqlens); loss_mask or labels as for
+                 text: IGNORE_INDEX outside the assistant text, so image tokens are never targets
+  pixel_values   float32 (total patches, patch_dim): the row's images' patches as the processor
+                 gives them (Qwen2VLImageProcessor), concatenated in the order the images appear
+                 in the row (the first sequence's images first, each sequence's in its order)
+  image_grid_thw int64 (n_images, 3): each image's (t, h, w) patch grid, in the same order
+A text-only row has pixel_values = image_grid_thw = None (or none of its sequences has images).
+LLaVA (LlavaForConditionalGeneration: a vision tower, a projector, a Llama/Qwen2... decoder)
+takes the images at the processor's fixed size: pixel_values float32 (n_images, C, H, W) in
+row order, no image_grid_thw, each image's placeholder expanded to its fixed count of
+config.image_token_id (the processor's: (H / patch) * (W / patch), + 1 with the "full"
+feature strategy); its positions are the row's text positions.
+
+What the model's own forward does to one conversation is done here to each sequence of the
+row: the vision tower runs once on all of the row's images (its attention is per image, from
+the grids), and the merged features fill the image placeholders in row order: each image's
+features land in its own sequence, since the images are in row order. Which images belong to
+which sequence follows from the placeholders counted per sequence (checked: a row whose
+placeholders do not add up to its images is refused). Qwen2-VL's 3-D rotary positions (M-RoPE) are
+the model's own get_rope_index run on each sequence alone with its own grids, concatenated:
+they restart at every boundary, as the text positions do. The row's text positions go first
+(the (4, 1, T) form transformers' Qwen2-VL text model takes for packed rows) for the
+attention's boundaries; attention runs per sequence from cu_seqlens (varlen_attention.py; the
+vision tower keeps its own sdpa/eager, it is not causal) and the loss is PackedCausalLM's fused
+varlen cross-entropy on the assistant tokens (no logits built).
+
+freeze_vision=True freezes the vision tower and its projector (Qwen2-VL's `visual`, whose
+merger is the projector; LLaVA's vision_tower and multi_modal_projector): no gradient reaches
+them and they run without autograd.
+Not yet: sequence parallelism (a slice of the row would cut images apart); the trainer.
+"""
+
+import torch
+from torch import nn
+
+from hpsft.models.families import UnsupportedModel
+from hpsft.models.packed_causal_lm import PackedCausalLM
+
+# Vision-language classes hpsft trains exactly, and their vision tower + projector.
+VISION_MODULES = {
+    "Qwen2VLForConditionalGeneration": ("model.visual",),
+    "Qwen2_5_VLForConditionalGeneration": ("model.visual",),
+    "LlavaForConditionalGeneration": ("model.vision_tower", "model.multi_modal_projector"),
+}
+
+
+def is_vision_language(lm: nn.Module) -> bool:
+    return getattr(lm.config, "vision_config", None) is not None
+
+
+def check_vision_supported(lm: nn.Module) -> None:
+    name = type(lm).__name__
+    if name not in VISION_MODULES:
+        raise UnsupportedModel(
+            f"model type {lm.config.model_type!r} ({name}): hpsft trains the vision-language models "
+            f"{', '.join(sorted(VISION_MODULES))} exactly, not this one; refused rather than trained approximately")
+
+
+def vision_modules(lm: nn.Module) -> list[nn.Module]:
+    """The vision tower and projector of a supported vision-language model."""
+    return [lm.get_submodule(path) for path in VISION_MODULES[type(lm).__name__]]
+
+
+def images_per_sequence(image_mask: torch.Tensor, offsets: torch.Tensor, tokens_per_image: list[int]) -> list[int]:
+    """How many of the row's images (in row order, each with its placeholder count) fall in each
+    sequence, from the placeholders counted per sequence; refused where they do not add up."""
+    placeholders = [int(image_mask[s:e].sum()) for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    counts, image = [], 0
+    for sequence, wanted in enumerate(placeholders):
+        first = image
+        while wanted > 0 and image < len(tokens_per_image):
+            wanted -= tokens_per_image[image]
+            image += 1
+        if wanted != 0:
+            raise ValueError(
+                f"packed row: sequence {sequence} has {placeholders[sequence]} image placeholder tokens, which are not "
+                f"the tokens of whole images {first}.. of the row (tokens per image {tokens_per_image}); the "
+                "data stage must expand each image's placeholder as the model's processor does, images in row order")
+        counts.append(image - first)
+    if image != len(tokens_per_image):
+        raise ValueError(f"packed row: pixel_values has {len(tokens_per_image)} images, its placeholders hold "
+                         f"{image}; pixel_values (and image_grid_thw) must be exactly the row's images")
+    return counts
+
+
+class PackedVisionLM(PackedCausalLM):
+    """PackedCausalLM for a vision-language model: forward also takes the row's pixel_values and
+    image_grid_thw (the module docstring's contract); its parameter names are the HF model's."""
+
+    def __init__(self, lm: nn.Module, freeze_vision: bool = False, **loss_options):
+        check_vision_supported(lm)
+        super().__init__(lm, **loss_options)
+        self.freeze_vision = freeze_vision
+        self.mrope = hasattr(lm.model, "get_rope_index")  # Qwen2-VL's 3-D positions
+        for module in vision_modules(lm):
+            module.requires_grad_(not freeze_vision)
+
+    def enable_sequence_parallel(self, group, size: int, rank: int, tp_size: int = 1) -> None:
+        raise UnsupportedModel(f"{type(self.lm).__name__}: sequence parallelism does not cut image rows yet; "
+                               "train it with engine.sequence_parallel_size=1")
+
+    def image_features(self, pixel_values, image_grid_thw) -> list[torch.Tensor]:
+        """Per image, in row order, its (image tokens, H) features from the tower and projector."""
+        grids = {"image_grid_thw": image_grid_thw} if self.mrope else {}
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_vision):
+            return list(self.lm.model.get_image_features(pixel_values=pixel_values, return_dict=True,
+                                                         **grids).pooler_output)
+
+    def rope_positions(self, input_ids, offsets, image_mask, image_grid_thw) -> torch.Tensor:
+        """(3, 1, T) the model's M-RoPE positions of each sequence alone, concatenated."""
+        grids = image_grid_thw if image_grid_thw is not None else input_ids.new_zeros(0, 3)
+        merge = self.lm.config.vision_config.spatial_merge_size
+        counts = images_per_sequence(image_mask, offsets, (grids.prod(-1) // merge**2).tolist())
+        positions, image = [], 0
+        for (start, end), n in zip(zip(offsets[:-1].tolist(), offsets[1:].tolist()), counts):
+            ids = input_ids[:, start:end]
+            sequence_positions, _ = self.lm.model.get_rope_index(
+                ids, mm_token_type_ids=image_mask[None, start:end].int(), image_grid_thw=grids[image:image + n])
+            positions.append(sequence_positions)
+            image += n
+        return torch.cat(positions, dim=2)
+
+    def decoder_inputs(self, input_ids, position_ids, offsets, pixel_values=None, image_grid_thw=None) -> dict:
+        image_mask = input_ids[0] == self.lm.config.image_token_id
+        if self.mrope:
+            if (pixel_values is None) != (image_grid_thw is None):
+                raise ValueError("packed row: pixel_values and image_grid_thw come together (both or neither)")
+            # Before the tower: it checks that each sequence's placeholders are whole images.
+            position_ids = torch.cat([position_ids[None], self.rope_positions(
+                input_ids, offsets, image_mask, image_grid_thw)], dim=0)
+        elif image_grid_thw is not None:
+            raise ValueError(f"packed row: {type(self.lm).__name__} takes no image_grid_thw")
+        per_image = self.image_features(pixel_values, image_grid_thw) if pixel_values is not None else []
+        if not self.mrope:
+            images_per_sequence(image_mask, offsets, [f.shape[0] for f in per_image])
+        embeds = self.lm.get_input_embeddings()(input_ids)
+        if per_image:
+            embeds = embeds.masked_scatter(image_mask[None, :, None], torch.cat(per_image).to(embeds.dtype))
+        return {"inputs_embeds": embeds, "position_ids": position_ids}
