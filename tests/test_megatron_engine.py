@@ -4,7 +4,8 @@ norm) at TP=2 and the tiny Mixtral (router loss on) at EP=2 x DP=2 (one 2-rank l
 Llama at TP=2 x PP=2 and DP=2 x TP=2 (one 4-rank launch), each against the fp64 plain-torch reference: the unclipped gradient norms,
 the clip, the non-finite step skipped without moving the schedule, warmup then cosine, AdamW
 without decay on 1-D weights, the whole Hugging Face weights gathered after the steps, and the
-per-rank checkpoint resuming into the same steps. And what the engine's config refuses."""
+per-rank checkpoint resuming into the same steps, at its own layout and (TP=2 x PP=2's) at TP=1
+and DP=2 x TP=2. And what the engine's config refuses."""
 
 from functools import partial
 
@@ -95,7 +96,10 @@ def test_megatron_checkpoint_resumes_at_other_layouts(four_rank_runs, tmp_path):
     losses (within RESUMED_LOSS_RTOL) and the fp64 reference's unclipped grad norms (NORM_RTOL,
     1e-5), the schedule's rates, and the reference's weights after step 5 (WEIGHT_RTOL). Step
     4's norm depends on the weights alone; step 5's and the weights on Adam's moments and step
-    count too. Planted, one at a time (docs/testing.md): FIGURES"""
+    count too. Planted, one at a time (docs/testing.md), each failing first at TP=1 on the
+    (0-based) step-4 loss against the straight run's 6.261567: the moments zeroed on reshard
+    6.264620 (4.9e-4); each writing TP rank's moments put at the other TP rank's place 6.264251
+    (4.3e-4); Adam's step count reset to 0 6.268957 (1.2e-3)."""
     straight = four_rank_runs[FOUR_RANKS["tp2_pp2"][0]]
     reference = four_rank_runs["reference"]
     out = tmp_path / "tp1.pt"
@@ -107,7 +111,8 @@ def test_megatron_checkpoint_resumes_at_other_layouts(four_rank_runs, tmp_path):
     for name, run in resumed.items():
         what = f"megatron tp2_pp2 resumed at {name}"
         for step, (loss, expected) in enumerate(zip(run["losses"], straight["losses"][SAVED_AFTER:], strict=True)):
-            assert rel_diff(loss, expected) <= RESUMED_LOSS_RTOL, f"{what}: step {SAVED_AFTER + step} loss {loss} vs {expected}"
+            assert rel_diff(loss, expected) <= RESUMED_LOSS_RTOL, \
+                f"{what}: step {SAVED_AFTER + step} loss {loss} vs {expected}"
         assert_norms(run["grad_norms"], reference["grad_norms"][SAVED_AFTER:], what)
         assert run["lrs"] == straight["lrs"][SAVED_AFTER:] and run["global_steps"] == 5, what
         error = relative_error(run["weights"], reference["weights"])

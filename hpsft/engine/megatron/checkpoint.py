@@ -5,12 +5,16 @@ Face config beside them.
   megatron/rank_00000.pt ...   each rank's: its layout and place (convert.Shard, whether it is
                                its replica's first data-parallel rank), its model shard (the
                                GPTModel stage's parameters by Megatron name), each of its
-                               distributed optimizers' torch Adam state and fp32 master
-                               shards, and the step counts (taken; applied)
+                               distributed optimizers' torch Adam state, fp32 master shards
+                               and each shard's (model parameter, start, end) in its flattened
+                               parameter, and the step counts (taken; applied)
 
-A checkpoint resumes at the layout that wrote it (TP, PP, EP and DP the same); another layout
-is refused by name (resharding Megatron's distributed-optimizer state is not built yet:
-docs/megatron.md). hpsft export reads any of them in one process: hf_weights reassembles each
+A checkpoint resumes at the layout that wrote it (TP, PP, EP and DP the same) from each rank's
+own file, as it was. At another layout every rank reads every file (resharded): the masters and
+Adam's moments go into whole Hugging Face tensors by each shard's parameter range and
+convert.pieces at the writing rank's Shard, and this rank's shards are cut from them by the same
+mapping at its own Shard; the model's weights are the masters in its dtype, Adam's step count the
+checkpoint's. hpsft export reads any of them in one process: hf_weights reassembles each
 Hugging Face tensor from the first data-parallel replica's shards with convert.pieces, the
 mapping training loads by. The files hold pickled objects beside the tensors (a checkpoint is
 code, as DeepSpeed's is: docs/checkpoints.md).
