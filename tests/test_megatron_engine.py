@@ -4,12 +4,14 @@ norm) at TP=2 and the tiny Mixtral (router loss on) at EP=2 x DP=2 (one 2-rank l
 Llama at TP=2 x PP=2 and DP=2 x TP=2 (one 4-rank launch), each against the fp64 plain-torch reference: the unclipped gradient norms,
 the clip, the non-finite step skipped without moving the schedule, warmup then cosine, AdamW
 without decay on 1-D weights, the whole Hugging Face weights gathered after the steps, and the
-per-rank checkpoint resuming into the same steps. And what the engine's config refuses."""
+per-rank checkpoint resuming into the same steps, at its own layout and (TP=2 x PP=2's) at TP=1
+and DP=2 x TP=2. And what the engine's config refuses."""
 
 import subprocess
 from functools import partial
 
 import pytest
+import torch
 
 from hpsft.config import load_config
 from hpsft.config.schema import EngineConfig
@@ -17,9 +19,10 @@ import torch
 
 from tests.conftest import REPO, assert_ok, assert_same_steps, base_overrides, chat_parquet, cli_command, ray_env, \
     read_metrics, rel_diff, run_cli, train_steps, write_tiny_llama
+from tests.dist_scripts.step_claims import SAVED_AFTER
 from tests.megatron_models import write_hf_model
 from tests.numerics import relative_error
-from tests.step_claims import assert_steps_as_documented, run_layouts, run_models
+from tests.step_claims import WEIGHT_RTOL, assert_norms, assert_steps_as_documented, run_layouts, run_models
 from tests.test_precision import sequences  # noqa: F401 (the fixture: test_precision's 8 sequences)
 from tests.test_ray import RAY_WORKERS, private_ray_tmpdir
 from tests.test_spmd_training import max_rel_weight_diff, weights
@@ -64,9 +67,10 @@ def test_megatron_at_two_ranks_steps_as_documented_against_fp64_reference(two_ra
     assert_steps_as_documented(run, two_rank_runs[model]["reference"], f"megatron {name}")
 
 
-# name: (layout, its data-parallel size); one 4-rank launch runs both.
-FOUR_RANKS = {"tp2_pp2": ("megatron:tensor_parallel_size=2,pipeline_parallel_size=2", 1),
-              "dp2_tp2": ("megatron:tensor_parallel_size=2", 2)}
+# name: (layout, its data-parallel size); one 4-rank launch runs both, and resumes TP=2 x PP=2's
+# checkpoint at DP=2 x TP=2 too (test_megatron_checkpoint_resumes_at_other_layouts).
+TP2_PP2, DP2_TP2 = "megatron:tensor_parallel_size=2,pipeline_parallel_size=2", "megatron:tensor_parallel_size=2"
+FOUR_RANKS = {"tp2_pp2": (f"{TP2_PP2}>{DP2_TP2}", 1), "dp2_tp2": (DP2_TP2, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +90,41 @@ def test_megatron_at_four_ranks_steps_as_documented_against_fp64_reference(four_
     run = four_rank_runs[layout]
     assert run["dp_size"] == dp_size
     assert_steps_as_documented(run, four_rank_runs["reference"], f"megatron {name}")
+
+
+# The resumed steps' losses against the straight run's: fp32 sums of the same tokens' NLL in
+# another order and over other shards (TP=1 and DP=2 x TP=2 against TP=2 x PP=2): ~1e-7.
+RESUMED_LOSS_RTOL = 1e-6
+
+
+@pytest.mark.slow
+def test_megatron_checkpoint_resumes_at_other_layouts(four_rank_runs, tmp_path):
+    """TP=2 x PP=2's checkpoint after step 3 (4 ranks) resumed at TP=1 x PP=1 (1 rank, its own
+    launch) and at DP=2 x TP=2 (in the 4-rank launch): steps 4-5 give the straight run's
+    losses (within RESUMED_LOSS_RTOL) and the fp64 reference's unclipped grad norms (NORM_RTOL,
+    1e-5), the schedule's rates, and the reference's weights after step 5 (WEIGHT_RTOL). Step
+    4's norm depends on the weights alone; step 5's and the weights on Adam's moments and step
+    count too. Planted, one at a time (docs/testing.md), each failing first at TP=1 on the
+    (0-based) step-4 loss against the straight run's 6.261567: the moments zeroed on reshard
+    6.264620 (4.9e-4); each writing TP rank's moments put at the other TP rank's place 6.264251
+    (4.3e-4); Adam's step count reset to 0 6.268957 (1.2e-3)."""
+    straight = four_rank_runs[FOUR_RANKS["tp2_pp2"][0]]
+    reference = four_rank_runs["reference"]
+    out = tmp_path / "tp1.pt"
+    proc = run_cli(None, [str(out), straight["checkpoint"], "--resume", straight["model"],
+                          "megatron:tensor_parallel_size=1"], nproc=1,
+                   script=str(REPO / "tests" / "dist_scripts" / "step_claims.py"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = {"tp1": torch.load(out), "dp2_tp2": straight["resumed_at"][DP2_TP2]}
+    for name, run in resumed.items():
+        what = f"megatron tp2_pp2 resumed at {name}"
+        for step, (loss, expected) in enumerate(zip(run["losses"], straight["losses"][SAVED_AFTER:], strict=True)):
+            assert rel_diff(loss, expected) <= RESUMED_LOSS_RTOL, \
+                f"{what}: step {SAVED_AFTER + step} loss {loss} vs {expected}"
+        assert_norms(run["grad_norms"], reference["grad_norms"][SAVED_AFTER:], what)
+        assert run["lrs"] == straight["lrs"][SAVED_AFTER:] and run["global_steps"] == 5, what
+        error = relative_error(run["weights"], reference["weights"])
+        assert error < WEIGHT_RTOL, f"{what}: weights after step 5 {error:.2e} from the fp64 reference"
 
 
 @pytest.mark.slow

@@ -16,6 +16,10 @@ models may share the launch, each with its layouts (groups separated by --); the
 by the model folder's name, each with its own reference.
 
     torchrun --nproc-per-node N tests/dist_scripts/step_claims.py OUT_PT CKPT_DIR MODEL LAYOUT [LAYOUT...] [-- MODEL LAYOUT...]
+    torchrun --nproc-per-node N tests/dist_scripts/step_claims.py OUT_PT CKPT --resume MODEL LAYOUT
+
+A layout A>B resumes A's checkpoint at B too; --resume resumes one checkpoint folder (a
+result's "checkpoint") at LAYOUT in a launch of another size (steps 4-5 alone).
 """
 
 import math
@@ -116,19 +120,24 @@ def built(model: str, layout: str) -> TrainEngine:
     return engine
 
 
-def run_steps(engine: TrainEngine, steps: list, first: int) -> tuple[list[float], list[float]]:
-    """Steps of this rank's data-parallel rows: data part d on DP rank d at DP=2, both at DP=1."""
+def run_steps(engine: TrainEngine, steps: list, first: int) -> tuple[list[float], list[float], list[float]]:
+    """Steps of this rank's data-parallel rows: data part d on DP rank d at DP=2, both at DP=1;
+    each step's unclipped grad norm, rate and loss (summed over the ranks that report it)."""
     dp_rank, dp_size = engine.mesh.dp_rank, engine.mesh.dp_size
     parts = [part for part in (0, 1) if part % dp_size == dp_rank]
-    norms, lrs = [], []
+    norms, lrs, losses = [], [], []
     for i, ranks in enumerate(steps, start=first):
         tokens = sum(loss_token_count(batch) for part_batches in ranks for batch in part_batches)
         scale = LOSS_SCALES[i] * (float("inf") if i == SKIPPED and 1 in parts else 1.0)
         step = engine.train_batch([packed_row(batch) for part in parts for batch in ranks[part]],
                                   lambda out: out["loss"] * scale / tokens)
+        loss = torch.tensor(sum(float(out["loss"]) for out in step.outputs) / tokens if engine.mesh.reports_counts
+                            else 0.0, dtype=torch.float64)
+        dist.all_reduce(loss)
         norms.append(step.grad_norm)
         lrs.append(step.lr)
-    return norms, lrs
+        losses.append(float(loss))
+    return norms, lrs, losses
 
 
 def weights(engine: TrainEngine, names: list[str]) -> dict:
@@ -160,41 +169,59 @@ def model_groups(args: list[str]) -> list[tuple[str, list[str]]]:
     return groups
 
 
+def resumed_run(model: str, layout: str, ckpt: str, steps: list, names: list[str]) -> dict:
+    """An engine of `layout` loading the checkpoint in `ckpt` and running the steps after it."""
+    resumed = built(model, layout)
+    resumed.load_checkpoint(ckpt, "saved")
+    # A validation before the resumed steps (trainer.val_before_train): it must leave nothing
+    # behind (an MoE forward's router logits once joined the next training row's loss).
+    resumed.infer_batch([packed_row(batch) for part in steps[SAVED_AFTER] for batch in part])
+    norms, lrs, losses = run_steps(resumed, steps[SAVED_AFTER:], SAVED_AFTER)
+    result = {"mesh": resumed.mesh.coordinates(), "grad_norms": norms, "lrs": lrs, "losses": losses,
+              "weights": weights(resumed, names), "global_steps": resumed.steps}
+    released(resumed)
+    return result
+
+
 def run_model(model: str, layouts: list[str], ckpt: str) -> dict:
-    """The reference and every layout's straight and resumed runs of one model."""
+    """The reference and every layout's straight and resumed runs of one model. A layout
+    A>B[>C...] is run straight and resumed at A, and resumed at B, C, ... too (results[A>B]
+    ["resumed_at"][B]) from A's checkpoint (results[...]["checkpoint"], for other launches)."""
     steps = all_steps(load_causal_lm(model).config.vocab_size)
     results = {"reference": reference(model, steps)}
     names = list(results["reference"]["weights"])
-    for n, layout in enumerate(layouts):
+    for n, spec in enumerate(layouts):
+        layout, *others = spec.split(">")
         straight = built(model, layout)
-        norms, lrs = run_steps(straight, steps[:SAVED_AFTER], 0)
+        norms, lrs, losses = run_steps(straight, steps[:SAVED_AFTER], 0)
         straight.save_checkpoint(f"{ckpt}/{n}", "saved")
-        more_norms, more_lrs = run_steps(straight, steps[SAVED_AFTER:], SAVED_AFTER)
-        results[layout] = {"mesh": straight.mesh.coordinates(), "dp_size": straight.mesh.dp_size,
-                           "grad_norms": norms + more_norms, "lrs": lrs + more_lrs,
-                           "weights": weights(straight, names), "global_steps": straight.steps}
+        more_norms, more_lrs, more_losses = run_steps(straight, steps[SAVED_AFTER:], SAVED_AFTER)
+        results[spec] = {"mesh": straight.mesh.coordinates(), "dp_size": straight.mesh.dp_size,
+                         "grad_norms": norms + more_norms, "lrs": lrs + more_lrs, "losses": losses + more_losses,
+                         "weights": weights(straight, names), "global_steps": straight.steps,
+                         "model": model, "checkpoint": f"{ckpt}/{n}"}
         if isinstance(straight, DeepSpeedEngine):
-            results[layout].update(deepspeed_stage=straight.engine.zero_optimization_stage(),
-                                   skipped_steps=straight.engine.skipped_steps)
+            results[spec].update(deepspeed_stage=straight.engine.zero_optimization_stage(),
+                                 skipped_steps=straight.engine.skipped_steps)
         released(straight)
         del straight
-        resumed = built(model, layout)
-        resumed.load_checkpoint(f"{ckpt}/{n}", "saved")
-        # A validation before the resumed steps (trainer.val_before_train): it must leave nothing
-        # behind (an MoE forward's router logits once joined the next training row's loss).
-        resumed.infer_batch([packed_row(batch) for part in steps[SAVED_AFTER] for batch in part])
-        resumed_norms, resumed_lrs = run_steps(resumed, steps[SAVED_AFTER:], SAVED_AFTER)
-        results[layout]["resumed"] = {"grad_norms": resumed_norms, "lrs": resumed_lrs,
-                                      "weights": weights(resumed, names), "global_steps": resumed.steps}
-        released(resumed)
+        results[spec]["resumed"] = resumed_run(model, layout, f"{ckpt}/{n}", steps, names)
+        results[spec]["resumed_at"] = {other: resumed_run(model, other, f"{ckpt}/{n}", steps, names)
+                                       for other in others}
     return results
 
 
 def main() -> None:
     out_pt, ckpt, *args = sys.argv[1:]
     init_distributed()
-    results = {Path(model).name: run_model(model, layouts, f"{ckpt}/{Path(model).name}")
-               for model, layouts in model_groups(args)}
+    if args[0] == "--resume":  # --resume MODEL LAYOUT: CKPT resumed at LAYOUT alone, no reference
+        model, layout = args[1:]
+        steps = all_steps(load_causal_lm(model).config.vocab_size)
+        names = [name for name, _ in PackedCausalLM(load_causal_lm(model)).named_parameters()]
+        results = resumed_run(model, layout, ckpt, steps, names)
+    else:
+        results = {Path(model).name: run_model(model, layouts, f"{ckpt}/{Path(model).name}")
+                   for model, layouts in model_groups(args)}
     if dist.get_rank() == 0:
         torch.save(results, out_pt)
     dist.barrier()
