@@ -31,14 +31,16 @@ def lora_overrides(model_path, train, val, out_dir, **extra) -> list[str]:
         "trainer.peak_flops_per_device": 1e12, **extra})
 
 
-def peft_reference_steps(model_path: str, train: str, steps: int, use_dora: bool = False) -> list[dict]:
+def peft_reference_steps(model_path: str, train: str, steps: int, use_dora: bool = False, nf4_base: bool = False
+                         ) -> list[dict]:
     """Loss and unclipped adapter-gradient norm of the first `steps` steps of lora_overrides'
     run, each step on every conversation of `train`: PEFT's get_peft_model on the model's own
     eager forward and masked-label loss (each conversation alone, weighted by its loss tokens
     over the step's), the norm in fp64, clipped as DeepSpeed clips, torch's AdamW (1-D
     parameters, DoRA's magnitudes, not decayed, as hpsft's param_groups). Only the initial A
     and B come from hpsft (add_lora's seeded A, B = 0), copied in by name; DoRA's magnitudes
-    are PEFT's own (the base rows' norms)."""
+    are PEFT's own (the base rows' norms). `nf4_base`: QLoRA's reference, PEFT's LoRA on the
+    base whose decoder linear weights went through torchao's NF4 round trip (tests/nf4_reference.py)."""
     import peft
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,6 +57,10 @@ def peft_reference_steps(model_path: str, train: str, steps: int, use_dora: bool
     initial = dict(add_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
                             LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora), SEED).named_parameters())
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
+    if nf4_base:
+        from tests.nf4_reference import dequantized_decoder
+
+        dequantized_decoder(base)
     model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear",
                                                       use_dora=use_dora))
     adapters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -89,6 +95,25 @@ def assert_same_steps(ours: dict, reference: dict, steps, loss_rtol: float, grad
     for step in steps:
         for metric, rtol in (("train/loss", loss_rtol), ("train/grad_norm", grad_norm_rtol)):
             assert rel_diff(ours[step][metric], reference[step][metric]) <= rtol, (step, metric, ours[step], reference[step])
+
+
+def lora_check(out: Path) -> dict:
+    """CHECK_SCRIPT's record of the run in `out`, its logit differences printed."""
+    check = json.loads((out / "lora_check.json").read_text())
+    print(f"\nlogits: merged vs adapter {check['merged_vs_adapter']:.1e}, engine vs adapter "
+          f"{check['engine_vs_adapter']:.1e}, base vs adapter {check['base_vs_adapter']:.1e}")
+    return check
+
+
+def assert_pefts_first_steps(out: Path, model_path: str, train: str, **reference) -> dict:
+    """Steps 1-2 of the run in `out` are peft_reference_steps(**reference)'s in loss and
+    unclipped gradient norm within 1e-5 (fp32 rounding); the run's step -> metrics."""
+    straight = {m["step"]: m for m in read_metrics(out)}
+    expected = dict(enumerate(peft_reference_steps(model_path, train, 2, **reference), start=1))
+    print("steps 1-2, ours vs PEFT:", [(straight[s]["train/loss"], expected[s]["train/loss"],
+                                         straight[s]["train/grad_norm"], expected[s]["train/grad_norm"]) for s in (1, 2)])
+    assert_same_steps(straight, expected, (1, 2), loss_rtol=1e-5, grad_norm_rtol=1e-5)
+    return straight
 
 
 @pytest.mark.slow
@@ -176,9 +201,7 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     dora = {"model.lora.use_dora": "true", "engine.zero_stage": 2}
     out = tmp_path / "run"
     assert_ok(run_cli(None, lora_overrides(tiny_chat_model, train, val, out, **dora), nproc=2, script=CHECK_SCRIPT))
-    check = json.loads((out / "lora_check.json").read_text())
-    print(f"\nlogits: merged vs adapter {check['merged_vs_adapter']:.1e}, engine vs adapter "
-          f"{check['engine_vs_adapter']:.1e}, base vs adapter {check['base_vs_adapter']:.1e}")
+    check = lora_check(out)
     # A, B and the magnitude of each of the 7 linear layers of each of the 2 layers train; all moved.
     magnitudes = [name for name in check["adapters"] if ".lora_magnitude_vector." in name]
     assert check["trainable"] == check["adapters"] and len(check["adapters"]) == 2 * 7 * 3 and len(magnitudes) == 14
@@ -186,11 +209,7 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     assert check["merged_vs_adapter"] < LOGIT_RTOL and check["engine_vs_adapter"] < LOGIT_RTOL
     assert check["base_vs_adapter"] > 1e-3
 
-    straight = {m["step"]: m for m in read_metrics(out)}
-    reference = dict(enumerate(peft_reference_steps(tiny_chat_model, train, 2, use_dora=True), start=1))
-    print("steps 1-2, ours vs PEFT:", [(straight[s]["train/loss"], reference[s]["train/loss"],
-                                         straight[s]["train/grad_norm"], reference[s]["train/grad_norm"]) for s in (1, 2)])
-    assert_same_steps(straight, reference, (1, 2), loss_rtol=1e-5, grad_norm_rtol=1e-5)
+    straight = assert_pefts_first_steps(out, tiny_chat_model, train, use_dora=True)
 
     resumed = tmp_path / "resumed"
     checkpoint = out / "checkpoints" / "global_step_2"
@@ -208,17 +227,20 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     assert merged.keys() == final.keys() and all(torch.equal(merged[name], final[name]) for name in final)
 
 
-def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True):
+def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True, quantize_base: str = "none"):
     """write_tiny_llama's model (fp32) with adapters (rank 4) on every linear layer, as add_lora
-    makes them; `trained`: B and (DoRA) the magnitudes moved off their initial values (seed 1),
-    enough for the merge to matter."""
+    makes them (quantize_base nf4: over an NF4 base, as the training worker builds it); `trained`:
+    B and (DoRA) the magnitudes moved off their initial values (seed 1), enough for the merge to matter."""
     from transformers import AutoModelForCausalLM
 
     from hpsft.config.schema import LoraConfig
     from hpsft.models.lora import add_lora
+    from hpsft.models.qlora import quantize_base_layers
 
     lm = add_lora(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                  LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora), SEED).eval()
+                  LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora, quantize_base=quantize_base), SEED).eval()
+    if quantize_base == "nf4":
+        assert quantize_base_layers(lm) == 2 * 7
     if trained:
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():

@@ -27,6 +27,9 @@ def check_positive(section: str, name: str, value, allow_zero: bool = False) -> 
         raise ValueError(f"{section}.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+QUANTIZE_BASE = ("none", "nf4")
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters (PEFT) on the model's linear layers; rank 0 trains the whole model."""
@@ -40,6 +43,9 @@ class LoraConfig:
     # DoRA (PEFT's use_dora): each adapted weight is a trained magnitude per output times the
     # direction of W + B @ A (docs/lora.md: DoRA).
     use_dora: bool = False
+    # The frozen base weight of every adapted layer stored 4-bit (QLoRA): none, or nf4 (torchao's
+    # NF4Tensor, double-quantised scalers; docs/lora.md: QLoRA).
+    quantize_base: str = "none"
 
     def __post_init__(self):
         check_positive("model.lora", "rank", self.rank, allow_zero=True)
@@ -53,6 +59,19 @@ class LoraConfig:
                              "every linear layer; give it alone or list module names without it")
         if self.use_dora and not self.rank:
             raise ValueError("model.lora.use_dora=true needs model.lora.rank > 0 (DoRA trains LoRA adapters)")
+        if self.quantize_base == "int8":
+            raise ValueError("model.lora.quantize_base=int8 is not built yet; use nf4 or none")
+        check_choice("model.lora", "quantize_base", self.quantize_base, QUANTIZE_BASE)
+        if self.quantize_base != "none" and not self.rank:
+            raise ValueError(f"model.lora.quantize_base={self.quantize_base} needs model.lora.rank > 0 "
+                             "(QLoRA trains LoRA adapters on the quantised base)")
+        if self.quantize_base != "none" and self.use_dora:
+            # PEFT's DoRA layer reads its base layer's weight as a dense tensor (the magnitude's norm).
+            raise ValueError(f"model.lora.quantize_base={self.quantize_base} with model.lora.use_dora=true: DoRA on "
+                             "a quantised base is not supported; set model.lora.quantize_base=none")
+        if self.quantize_base != "none" and importlib.util.find_spec("torchao") is None:
+            raise ValueError(f"model.lora.quantize_base={self.quantize_base} needs torchao, which is not installed: "
+                             "pip install hpsft[lora]")
         if self.rank and importlib.util.find_spec("peft") is None:
             raise ValueError("model.lora.rank > 0 needs PEFT, which is not installed: pip install hpsft[lora]")
 
@@ -453,12 +472,19 @@ class SFTConfig:
     def __post_init__(self):
         lora = self.model.lora
         if self.engine.name == "megatron":
-            lora_keys = f"model.lora.rank={lora.rank}" + (", model.lora.use_dora=true" if lora.use_dora else "")
+            lora_keys = (f"model.lora.rank={lora.rank}" + (", model.lora.use_dora=true" if lora.use_dora else "")
+                         + (f", model.lora.quantize_base={lora.quantize_base}" if lora.quantize_base != "none" else ""))
             for keys, value in ((lora_keys, lora.rank), (f"model.tiled_mlp_tokens={self.model.tiled_mlp_tokens}",
                                                          self.model.tiled_mlp_tokens)):
                 if value:
                     raise ValueError(f"{keys} with engine.name=megatron: not on the Megatron engine yet; "
                                      "use engine.name=deepspeed")
+        if lora.quantize_base != "none" and self.engine.zero_stage == 3:
+            # Under ZeRO-3 the base model is built partitioned, before the adapters: each rank holds
+            # an empty placeholder of every base weight. Tried at 2 ranks: the quantised placeholder
+            # failed in the first forward ("size mismatch, got input (33), mat (33x64), vec (0)").
+            raise ValueError(f"model.lora.quantize_base={lora.quantize_base} with engine.zero_stage=3: a quantised "
+                             "base under ZeRO-3 is not supported; use engine.zero_stage 0, 1 or 2")
         if lora.use_dora and self.engine.zero_stage == 3:
             # PEFT's DoRA layer reads its base layer's whole weight (the magnitude's norm) outside
             # that layer's forward, where ZeRO-3 holds a shard: tried at 2 ranks, the injection

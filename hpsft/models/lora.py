@@ -108,10 +108,12 @@ def base_name(name: str) -> str:
     return name.replace(BASE_LAYER, ".")
 
 
-def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], quantize_base: str = "none"
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's (name, tensor) pairs with every adapter folded in: W + scaling * B @ A
     (transposed for fan-in-fan-out layers), for DoRA times magnitude / the row norms of that,
-    computed in fp32 and stored in W's dtype (PEFT's merge).
+    computed in fp32 and stored in W's dtype (PEFT's merge). With `quantize_base` nf4 (QLoRA)
+    W is the dequantised NF4 weight the layer trained with (qlora.dequantized).
 
     `weights` are the adapted model's tensors in its own names and order (`weight_names(lm)`):
     a layer's base weight and its adapter tensors arrive together, so one layer is held at a
@@ -138,6 +140,10 @@ def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
         parts[part] = tensor
         if len(parts) == 4 if layer.use_dora[ADAPTER] else len(parts) == 3:
             del held[prefix]
+            if quantize_base == "nf4":
+                from hpsft.models.qlora import dequantized
+
+                parts["W"] = dequantized(prefix, parts["W"])
             merged = merged_weight(layer, parts)
             changed = changed or not torch.equal(merged, parts["W"])
             yield f"{prefix}.weight", merged

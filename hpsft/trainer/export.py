@@ -71,16 +71,20 @@ def check_trained_base(folder: Path, recorded: dict) -> None:
         )
 
 
-def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch: Path):
+def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch: Path, quantize_base: str):
     """A LoRA checkpoint's (name, tensor) pairs: the adapters alone, or the base model (read from
-    `folder` tensor by tensor) with the adapters merged in."""
+    `folder` tensor by tensor; QLoRA's quantised and dequantised as in training) with the adapters
+    merged in."""
     from safetensors import safe_open
 
-    from hpsft.models.lora import adapter_names, base_name, merged_weights
+    from hpsft.models.lora import BASE_LAYER, adapter_names, base_name, lora_layers, merged_weights
     from hpsft.models.partitioned import weight_files
 
     names = adapter_names(lm)
-    lazy = checkpoint_tensors(checkpoint, set(names), scratch)
+    # A QLoRA checkpoint also holds the NF4 base weights (buffers, which DeepSpeed saves); the
+    # merge reads the folder's and quantises them again, as training did (bit for bit the same).
+    quantized = {f"{prefix}{BASE_LAYER}weight" for prefix in lora_layers(lm)} if quantize_base == "nf4" else set()
+    lazy = checkpoint_tensors(checkpoint, set(names) | quantized, scratch)
     if adapter_only:
         return {name: lazy[name].contiguous() for name in names}
     files = weight_files(folder, "for a LoRA export (base weights read tensor by tensor)")
@@ -91,13 +95,13 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
 
     def adapted_model_weights():
         for name in weight_names(lm):
-            if name in lazy:
+            if name in lazy and name not in quantized:
                 yield name, lazy[name].contiguous()
                 continue
             with safe_open(file_of[base_name(name)], framework="pt") as f:
                 yield name, f.get_tensor(base_name(name)).float()
 
-    return merged_weights(lm, adapted_model_weights())
+    return merged_weights(lm, adapted_model_weights(), quantize_base)
 
 
 def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
@@ -151,7 +155,8 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
         else:
             if not adapter_only:
                 check_trained_base(folder, recorded)
-            weights = lora_weights(checkpoint, lm, folder, adapter_only, Path(scratch))
+            weights = lora_weights(checkpoint, lm, folder, adapter_only, Path(scratch),
+                                   LoraConfig(**lora_settings).quantize_base)
         if adapter_only:
             write_adapter_folder(lm, weights, str(folder), tokenizer, out)
         else:

@@ -125,11 +125,13 @@ def run_fingerprint(config, tokenizer) -> dict:
 
 
 def lora_fingerprint(lora) -> dict:
-    """model.lora's settings; use_dora only when set, so that LoRA checkpoints written before
-    the key existed still match."""
+    """model.lora's settings; use_dora and quantize_base only when set, so that LoRA checkpoints
+    written before those keys existed still match."""
     settings = dataclasses.asdict(lora)
     if not lora.use_dora:
         del settings["use_dora"]
+    if lora.quantize_base == "none":
+        del settings["quantize_base"]
     return settings
 
 

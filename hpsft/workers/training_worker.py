@@ -30,6 +30,7 @@ from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verif
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
+from hpsft.models.qlora import quantize_base_layers
 from hpsft.models.partitioned import is_partitioned
 from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.models.tiled_mlp import tile_mlps
@@ -94,6 +95,8 @@ class TrainingWorker(Worker):
             # model computes the same; under ZeRO-3 the base stays partitioned and DeepSpeed
             # partitions the new adapter parameters (broadcast from rank 0) when it wraps the model.
             add_lora(lm, cfg.lora, self.seed)
+            if cfg.lora.quantize_base == "nf4":  # QLoRA: the adapted layers' frozen weights stored 4-bit
+                quantize_base_layers(lm)
             if distributed.rank() == 0:
                 print(f"hpsft: {describe(lm)}", flush=True)
         self.body_params, self.head_params = flop_counts(lm)  # frozen weights count less (no weight gradient)
@@ -248,7 +251,7 @@ class TrainingWorker(Worker):
         if distributed.rank() == 0:
             tensors = progress_bar(progress, iterable=tensors, total=len(names), desc="export", unit="tensor")
             write_hf_folder(lm.config, lm.generation_config if lm.can_generate() else None,
-                            merged_weights(lm, tensors) if lora else tensors, tokenizer, Path(out_dir), max_shard_mb)
+                            merged_weights(lm, tensors, self.model_config.lora.quantize_base) if lora else tensors, tokenizer, Path(out_dir), max_shard_mb)
         else:
             for _ in tensors:  # take part in every gather
                 pass

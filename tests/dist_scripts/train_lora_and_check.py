@@ -8,7 +8,8 @@ What it records: the names of the parameters that require gradients and of the a
 base weights that differ (bit for bit) from the model folder's; the adapters left equal to
 their initial values (A from the seed, B = 0, rebuilt here on a fresh model); and the largest
 relative logit differences between the engine, the merged hf/ folder, and the base model with
-hf/adapter loaded by PEFT.
+hf/adapter loaded by PEFT. A QLoRA run (model.lora.quantize_base=nf4) is compared with the
+base it computes with: the model folder's decoder linear weights through torchao's NF4 round trip.
 """
 
 import json
@@ -43,6 +44,8 @@ def main() -> None:
     module = engine.module
     trainable = sorted(name for name, p in module.named_parameters() if p.requires_grad)
     names = [name for name, _ in module.named_parameters()]
+    if config.model.lora.quantize_base == "nf4":  # the NF4 base weights are buffers
+        names += [name for name, _ in module.named_buffers() if name.endswith(".base_layer.weight")]
     current = dict(engine.gathered_tensors(names))  # every rank takes part (ZeRO-3 gathers)
     sample = trainer.val_dataset[0]["input_ids"][None]
     positions = torch.arange(sample.shape[1])[None]
@@ -59,6 +62,14 @@ def main() -> None:
     from hpsft.models.lora import base_name
 
     folder = load_file(Path(config.model.path) / "model.safetensors")
+    qlora = config.model.lora.quantize_base == "nf4"
+    if qlora:  # the base as QLoRA computes with it: the NF4 weights dequantised (torchao's own round trip)
+        from tests.nf4_reference import nf4_round_trip
+
+        current = {name: tensor.get_original_weight() if hasattr(tensor, "get_original_weight") else tensor
+                   for name, tensor in current.items()}
+        folder = {name: nf4_round_trip(tensor) if name in {base_name(n) for n in current if ".base_layer." in n}
+                  else tensor for name, tensor in folder.items()}
     initial = initial_adapters(config)
     base_changed = [name for name, tensor in current.items()
                     if name not in initial and base_name(name) in folder and not torch.equal(tensor, folder[base_name(name)])]
@@ -70,6 +81,10 @@ def main() -> None:
         merged = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         merged_logits = merged(input_ids=sample, position_ids=positions, use_cache=False).logits[0]
         base = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+        if qlora:  # PEFT's adapter on the same dequantised base
+            from tests.nf4_reference import dequantized_decoder
+
+            dequantized_decoder(base)
         base_logits = base(input_ids=sample, position_ids=positions, use_cache=False).logits[0]
         adapted = PeftModel.from_pretrained(base, hf_dir / "adapter").eval()
         adapter_logits = adapted(input_ids=sample, position_ids=positions, use_cache=False).logits[0]

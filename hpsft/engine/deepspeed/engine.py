@@ -42,6 +42,13 @@ from hpsft.models.tensor_parallel import ShardingCheck, sum_partial_gradients_ov
 from hpsft.utils.distributed import Mesh
 
 
+def copied(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor`, bit for bit. Not `clone()`: torchao's NF4Tensor (QLoRA's base weights)
+    implements clone as a re-quantisation with its default block sizes (64, 256), which fails
+    on (or changes) weights quantised with others."""
+    return torch.empty_like(tensor).copy_(tensor)
+
+
 class DeepSpeedEngine(TrainEngine):
     def __init__(self, engine_config, optim_config, total_steps: int, mesh: Mesh):
         self.config = engine_config
@@ -219,7 +226,7 @@ class DeepSpeedEngine(TrainEngine):
         for name in names:
             tensor = tensors[name]
             with self.gathered([tensor]):
-                yield name, tensor.detach().cpu().clone() if dist.get_rank() == 0 else None
+                yield name, copied(tensor.detach().cpu()) if dist.get_rank() == 0 else None
 
     @property
     def steps(self) -> int:
