@@ -9,6 +9,7 @@ from skimage import data as photos
 from transformers import Qwen2VLImageProcessorPil
 
 from hpsft.data.chat_messages import BadRow
+from hpsft.data.patch_store import MappedPatches, PatchWriter
 from hpsft.data.image_rows import (IMAGE_PAD, VISION_END, VISION_START, expand_images, image_messages,
                                    image_token_counts, process_images)
 
@@ -97,3 +98,26 @@ def test_image_tokens_expand_as_the_processor_counts(photo_dir, tokenizer):
         np.testing.assert_array_equal(pixels[lo:hi], own["pixel_values"])
     assert grids.dtype == np.int64 and pixels.dtype == np.float32
     assert json.dumps(grids.tolist()) == json.dumps([[1, 6, 8], [1, 8, 10]])
+
+
+def test_patches_read_back_exactly_from_the_map(photo_dir):
+    """Sequences' patches written beside a shard read back, mapped, as the processor gave them, each
+    sequence its own (one with two images, a text-only one, one with one image). Planted bug:
+    MappedPatches.__getitem__ reads patch_offsets[i + 1]:[i + 2] (its neighbour's) -> sequence 0 read
+    0 patches (the text-only neighbour's) for its 128."""
+    processor = Qwen2VLImageProcessorPil()
+    imgs = photo_dir.parent / "imgs"
+    sequences = [process_images(processor, [imgs / "astronaut.jpg", imgs / "coffee.png"]),
+                 process_images(processor, []), process_images(processor, [imgs / "chelsea.jpg"])]
+    shard = photo_dir.parent / "shard-00000.arrow"
+    patch_dim = sequences[0][0].shape[1]
+    writer = PatchWriter(shard, patch_dim)
+    for pixels, grids in sequences:
+        writer.add(pixels.reshape(-1, patch_dim), grids)
+    writer.close()
+    mapped = MappedPatches(shard)
+    assert len(mapped) == 3 and isinstance(mapped.pixels, np.memmap)
+    for i, (pixels, grids) in enumerate(sequences):
+        got_pixels, got_grids = mapped[i]
+        np.testing.assert_array_equal(got_pixels, pixels.reshape(-1, patch_dim))
+        np.testing.assert_array_equal(got_grids, grids)
