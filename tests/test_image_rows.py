@@ -10,7 +10,8 @@ from transformers import Qwen2VLImageProcessorPil
 
 from hpsft.data.chat_messages import BadRow
 from hpsft.data.patch_store import MappedPatches, PatchWriter
-from hpsft.data.image_rows import (IMAGE_PAD, VISION_END, VISION_START, expand_images, image_messages,
+from hpsft.data.chat_tokenize import tokenize_conversation
+from hpsft.data.image_rows import (IMAGE_PAD, VISION_END, VISION_START, expanded_messages, image_messages,
                                    image_token_counts, process_images)
 
 
@@ -76,8 +77,9 @@ def test_undecodable_image_is_refused(photo_dir):
 
 
 def test_image_tokens_expand_as_the_processor_counts(photo_dir, tokenizer):
-    """Each image becomes vision_start + grid_t*grid_h*grid_w/merge^2 pads + vision_end in the token
-    ids; pixel_values and grids equal the processor's own call on each image, concatenated in order.
+    """Each image becomes vision_start + grid_t*grid_h*grid_w/merge^2 pads + vision_end in the chat's
+    token ids, outside the loss mask, which covers the same assistant tokens as the text-only chat;
+    pixel_values and grids equal the processor's own call on each image, concatenated in order.
     Planted bug: image_token_counts divides by merge_size (not its square) -> 24 pads written for 12,
     the check that the pads stop after 12 failed."""
     tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
@@ -85,14 +87,16 @@ def test_image_tokens_expand_as_the_processor_counts(photo_dir, tokenizer):
     messages, paths = image_messages(parts_row(), None, photo_dir)
     pixels, grids = process_images(processor, paths)
     counts = image_token_counts(grids, processor.merge_size)
-    text = expand_images(tokenizer.apply_chat_template(messages, tokenize=False), counts)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    pad, start = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START])
+    ids, mask = tokenize_conversation(tokenizer, expanded_messages(messages, counts))
+    pad, start, end = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END])
     starts = [i for i, t in enumerate(ids) if t == start]
-    assert len(starts) == 2
+    assert len(starts) == 2 and ids.count(end) == 2
     for begin, (t, h, w) in zip(starts, grids):
         n = t * h * w // processor.merge_size ** 2
-        assert ids[begin + 1: begin + 1 + n] == [pad] * n and ids[begin + 1 + n] != pad
+        assert ids[begin + 1: begin + 1 + n] == [pad] * n and ids[begin + 1 + n] == end
+    assert not any(m for t, m in zip(ids, mask) if t in (pad, start, end))
+    text_ids, text_mask = tokenize_conversation(tokenizer, [{**messages[0], "content": "what are these?"}, messages[1]])
+    assert [t for t, m in zip(ids, mask) if m] == [t for t, m in zip(text_ids, text_mask) if m]
     for path, (lo, hi) in zip(paths, [(0, grids[0].prod()), (grids[0].prod(), grids.prod(axis=1).sum())]):
         own = processor(images=Image.open(path).convert("RGB"), return_tensors="np")
         np.testing.assert_array_equal(pixels[lo:hi], own["pixel_values"])

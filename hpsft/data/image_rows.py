@@ -7,7 +7,7 @@ Two row shapes carry images:
 - ShareGPT/LLaVA-style rows whose text holds `<image>` placeholders, one per entry of the row's
   `images` column (a list of paths), in order.
 Relative paths are resolved against the folder of the data file, never the working directory.
-Each image becomes IMAGE_MARK in its message's text; expand_images replaces every mark by the
+Each image becomes IMAGE_MARK in its message's text; expanded_messages replaces every mark by the
 model's placeholder tokens, as many as the processor gives for that image (Qwen2-VL:
 `<|vision_start|>` + grid_t*grid_h*grid_w / merge_size**2 x `<|image_pad|>` + `<|vision_end|>`).
 """
@@ -110,13 +110,21 @@ def image_token_counts(grids: np.ndarray, merge_size: int) -> list[int]:
     return [int(t * h * w) // merge_size ** 2 for t, h, w in grids]
 
 
-def expand_images(text: str, counts: list[int]) -> str:
-    """`text` with its k-th IMAGE_MARK replaced by the model's placeholder tokens for image k."""
-    pieces = text.split(IMAGE_MARK)
-    if len(pieces) - 1 != len(counts):
-        raise BadRow(f"the rendered text holds {len(pieces) - 1} {IMAGE_MARK} marks for {len(counts)} images: "
-                     f"a text part that itself contains {IMAGE_MARK} is ambiguous; remove it from the text")
-    out = [pieces[0]]
-    for count, piece in zip(counts, pieces[1:]):
-        out += [VISION_START, IMAGE_PAD * count, VISION_END, piece]
-    return "".join(out)
+def expanded_messages(messages: list[dict], counts: list[int]) -> list[dict]:
+    """The messages with the k-th IMAGE_MARK (in message order) replaced by the model's placeholder
+    tokens for image k: rendered and tokenized as any chat, the image tokens land in their user turn
+    (outside the assistant mask) and count towards max_length."""
+    marks = sum(m["content"].count(IMAGE_MARK) for m in messages if isinstance(m.get("content"), str))
+    if marks != len(counts):
+        raise BadRow(f"the messages hold {marks} {IMAGE_MARK} marks for {len(counts)} images: a text part that "
+                     f"itself contains {IMAGE_MARK} is ambiguous; remove it from the text")
+    pending, out = iter(counts), []
+    for msg in messages:
+        if isinstance(msg.get("content"), str) and IMAGE_MARK in msg["content"]:
+            pieces = msg["content"].split(IMAGE_MARK)
+            text = [pieces[0]]
+            for piece in pieces[1:]:
+                text += [VISION_START, IMAGE_PAD * next(pending), VISION_END, piece]
+            msg = {**msg, "content": "".join(text)}
+        out.append(msg)
+    return out
