@@ -7,6 +7,7 @@ join it with ray.address. The job-submission test starts its own head (it needs 
 dashboard) and stops it by its PID.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -316,30 +317,82 @@ def wait_for_dashboard(url: str, head: subprocess.Popen, timeout: float = 120) -
     pytest.fail(f"the Ray head's dashboard at {url} did not answer within {timeout} s")
 
 
+def agent_log(temp_dir: str) -> str:
+    log = Path(temp_dir) / "session_latest" / "logs" / "dashboard_agent.log"
+    return log.read_text(errors="replace") if log.is_file() else ""
+
+
+def wait_for_job_agent(port: int, head: subprocess.Popen, temp_dir: str, timeout: float = 180) -> bool:
+    """True once the head's dashboard agent (which runs submitted jobs) answers on its port;
+    False when it could not bind a port. `ray job submit` answers "No available agent" until
+    then, and forever when the bind failed: a CI run failed so (30 submits over 418 s, the head
+    alive), and a port taken before the agent starts does the same (its log: "address already
+    in use"; it never registers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert head.poll() is None, f"ray start --head exited with {head.returncode}"
+        if "address already in use" in agent_log(temp_dir):
+            return False
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/healthz", timeout=2).read()
+            return True
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"the Ray head's dashboard agent did not answer on port {port} within {timeout} s; "
+                f"the end of its log:\n{agent_log(temp_dir)[-3000:]}")
+
+
+def stop_head(head: subprocess.Popen) -> None:
+    head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops what it started
+    head.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def local_ray_head(env: dict):
+    """`ray start --head` with its dashboard and job agent on free loopback ports; yields the
+    dashboard's URL and the head's temp dir. Started again on new ports (at most 3 times) when a
+    port was taken before the agent bound it."""
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    for _ in range(3):
+        temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray's socket paths must fit
+        dashboard_port, agent_port = free_port(), free_port()
+        head = subprocess.Popen(
+            [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
+             "--num-cpus", "2", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+             # Not the default agent/metrics ports: this module's own Ray instance holds those.
+             f"--dashboard-agent-listen-port={agent_port}",
+             *(f"--{name}={free_port()}" for name in (
+                 "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")),
+             "--disable-usage-stats", "--temp-dir", temp_dir],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        agent_bound = False
+        try:
+            dashboard = f"http://127.0.0.1:{dashboard_port}"
+            wait_for_dashboard(dashboard, head)
+            agent_bound = wait_for_job_agent(agent_port, head, temp_dir)
+            if agent_bound:
+                yield dashboard, temp_dir
+        finally:
+            stop_head(head)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        if agent_bound:
+            return
+    pytest.fail("three Ray heads in a row lost a port to another process before their agent bound it")
+
+
 @pytest.mark.slow
 def test_ray_job_submit_to_a_local_head(tmp_path, tiny_chat_model, data):
     """scripts/ray_submit.sh against `ray start --head` (with its dashboard), from another
     directory than the repository, uploads the repository as the job's working directory and
     writes a run; an argument with spaces and brackets arrives intact."""
     train, _ = data
-    dashboard = f"http://127.0.0.1:{free_port()}"
     env = {**train_env(), **RAY_ENV}
     env.pop("RAY_ADDRESS", None)
-    temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray's socket paths must fit
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(free_port()),
-         "--num-cpus", "2", "--dashboard-host", "127.0.0.1", "--dashboard-port", dashboard.rsplit(":", 1)[1],
-         # Not the default agent/metrics ports: this module's own Ray instance holds those.
-         *(f"--{name}={free_port()}" for name in (
-             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")),
-         "--disable-usage-stats", "--temp-dir", temp_dir],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        wait_for_dashboard(dashboard, head)
+    with local_ray_head(env) as (dashboard, temp_dir):
         out = tmp_path / "run"
-        for _ in range(30):  # the head's job agent comes up a little after its dashboard
+        deadline = time.monotonic() + 60  # the agent answers a moment before the head lists it
+        while True:
             proc = subprocess.run(
                 [str(REPO / "scripts" / "ray_submit.sh"),
                  *base_overrides(tiny_chat_model, train, None, out, **RAY_WORKERS, **{
@@ -347,7 +400,7 @@ def test_ray_job_submit_to_a_local_head(tmp_path, tiny_chat_model, data):
                 cwd=tmp_path, env={**env, "RAY_ADDRESS": dashboard, "PYTHON": sys.executable},
                 capture_output=True, text=True, timeout=600,
             )
-            if "No available agent to submit job" not in proc.stderr:
+            if "No available agent to submit job" not in proc.stderr or time.monotonic() > deadline:
                 break
             time.sleep(2)
         assert_ok(proc)
@@ -358,10 +411,6 @@ def test_ray_job_submit_to_a_local_head(tmp_path, tiny_chat_model, data):
         assert any((out / "tensorboard").iterdir())  # the list with a space reached the job whole
         # The job ran the uploaded copy: Ray unpacked the repository into the head's temp dir.
         assert list(Path(temp_dir).glob("**/working_dir_files/*/hpsft/train_ray.py")), "no uploaded working dir"
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops what it started
-        head.wait(timeout=60)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow
