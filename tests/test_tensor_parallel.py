@@ -98,6 +98,14 @@ def test_what_tensor_parallelism_cannot_run_exactly_is_refused_at_config(overrid
     assert load_config(None, ["engine.tensor_parallel_size=2"]).engine.tensor_parallel_size == 2
 
 
+def test_the_vocabulary_parallel_head_needs_tensor_parallelism():
+    """engine.vocab_parallel_head=true shards over the TP group: at TP=1 refused by name.
+    Planted once: the check removed: the load passed, this test failed (DID NOT RAISE)."""
+    with pytest.raises(ConfigError, match=r"engine.vocab_parallel_head=true .* needs engine.tensor_parallel_size > 1"):
+        load_config(None, ["engine.vocab_parallel_head=true"])
+    assert load_config(None, ["engine.tensor_parallel_size=2", "engine.vocab_parallel_head=true"]).engine.vocab_parallel_head
+
+
 @pytest.mark.parametrize("config, message", [
     (LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536),
      r"does not divide the model's 9 attention heads .*sizes dividing every count: \[1, 3\]"),
@@ -324,7 +332,9 @@ def test_tp2_with_the_vocabulary_parallel_head_trains_as_one_process(tmp_path):
     lookup used as the whole): model.layers.0.post_attention_layernorm.weight's gradient 1.55
     off; (b) the embedding's part of the tied gradient dropped (the lookup on a detached weight,
     the tied V=515 run only): model.embed_tokens.weight's gradient 2.9e-1 off (on both runs:
-    the untied embedding's gradient then 1.00 off, zero)."""
+    the untied embedding's gradient then 1.00 off, zero); (c) the loss's partial d(hidden) not
+    summed over TP (sum_grad_over_tp left out in PackedCausalLM.token_losses):
+    model.layers.0.self_attn.v_proj.weight's gradient 4.2e-1 off."""
     models = {"llama": tiny_llama(tmp_path / "llama"), "tied llama 515": tiny_llama(tmp_path / "tied", vocab=515, tied=True)}
     runs = [{"name": name, "model": path, "zero_stage": 1, "vocab_parallel": True} for name, path in models.items()]
     lr = 1e-3  # at 1e-2 the tied V=515 model is 1.7e-5 off at step 3 with the replicated head too (docstring)
@@ -432,8 +442,9 @@ def test_tp2_cli_run_with_the_vocabulary_parallel_head_equals_one_process(tmp_pa
     its step-1 checkpoint resumed at TP=2 with the head sharded trains steps 2-3 as the straight
     run (1e-6); resumed in one process it is refused naming engine.vocab_parallel_head, and
     `hpsft export` of it is refused (not built yet). Measured: loss 0, grad norm 3.3e-7, export
-    1.8e-7, the resume equal to every digit. No bug planted for this test (the engine-level
-    test's plants are refused at start-up, before any of this runs)."""
+    1.8e-7, the resume equal to every digit. Planted once: the TP ranks' rows gathered in
+    reverse order at export (whole_vocabulary_weight): training unchanged (grad norm 3.3e-7), the
+    export 1.4 off the one-process run's, failed."""
     one, overrides = cli_runs.one, cli_runs.overrides
     sharded = {"engine.tensor_parallel_size": 2, "engine.vocab_parallel_head": "true"}
     run = tmp_path / "vocab_parallel"
