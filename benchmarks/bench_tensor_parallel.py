@@ -21,7 +21,7 @@ Memory per rank, two ways:
     the whole process (AutoTP shards the model built whole on every rank) and over the steps.
 Each configuration runs in its own processes (torchrun), OMP threads = CPU cores / ranks.
 
-    .venv/bin/python benchmarks/bench_tensor_parallel.py [--layers 4] [--tokens 2048] [--steps 2]
+    .venv/bin/python benchmarks/bench_tensor_parallel.py [--tp 1,2,2v] [--layers 4] [--tokens 2048] [--steps 2]
     python3 benchmarks/bench_tensor_parallel.py --device cuda --tp 1,2 ...   # GPUs: one per rank
 """
 
@@ -135,7 +135,7 @@ def worker(args) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     config = load_config(None, ["engine.zero_stage=1", f"engine.tensor_parallel_size={tp}",
-                                f"engine.dtype={args.dtype}"])
+                                f"engine.dtype={args.dtype}", f"engine.vocab_parallel_head={args.vocab_parallel_head}"])
     lm_config = LlamaConfig(**SHAPE, num_hidden_layers=args.layers, use_cache=False)
     lm_config._attn_implementation = ATTN_IMPLEMENTATION
     check_tensor_parallel(lm_config, tp)
@@ -178,25 +178,34 @@ def worker(args) -> None:
            "bytes": counted, "rss_anon_peak": rss.whole, "rss_anon_steps_peak": rss.window,
            "cuda_max_allocated": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
            "engine_stage": engine.stage}
-    Path(args.out, f"tp{tp}_rank{distributed.rank()}.json").write_text(json.dumps(out))
+    Path(args.out, f"{run_label(tp, args.vocab_parallel_head)}_rank{distributed.rank()}.json").write_text(json.dumps(out))
 
 
-def launch(args, tp: int, folder: str) -> list[dict]:
-    """One configuration in its own processes: torchrun with `tp` ranks."""
+def run_label(tp: int, vocab_parallel_head: bool) -> str:
+    """A run's name in --tp: the TP size, with "v" when the head is sharded by vocabulary."""
+    return f"{tp}v" if vocab_parallel_head else str(tp)
+
+
+def launch(args, label: str, folder: str) -> list[dict]:
+    """One configuration in its own processes: torchrun with `tp` ranks (engine.vocab_parallel_head
+    when the label ends in "v")."""
+    tp, vocab_parallel_head = int(label.rstrip("v")), label.endswith("v")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // tp)))
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}", __file__,
                "--worker", "--out", folder, "--layers", str(args.layers), "--tokens", str(args.tokens),
                "--micro-batches", str(args.micro_batches), "--steps", str(args.steps), "--device", args.device,
-               "--dtype", args.dtype]
+               "--dtype", args.dtype, *(["--vocab-parallel-head"] if vocab_parallel_head else [])]
     subprocess.run(command, env=env, check=True)
-    return [json.loads(Path(folder, f"tp{tp}_rank{r}.json").read_text()) for r in range(tp)]
+    return [json.loads(Path(folder, f"{label}_rank{r}.json").read_text()) for r in range(tp)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", default="1,2", help="TP sizes to run, comma-separated (1 first: the baseline)")
+    parser.add_argument("--tp", default="1,2,2v", help="TP sizes to run, comma-separated (1 first: the baseline); "
+                        "a size ending in v runs with engine.vocab_parallel_head=true (the head sharded by vocabulary)")
+    parser.add_argument("--vocab-parallel-head", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of each packed micro-batch")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step")
@@ -209,7 +218,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    sizes = [int(s) for s in args.tp.split(",")]
+    sizes = args.tp.split(",")
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.out or scratch
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -219,9 +228,9 @@ def main() -> None:
           f"parameters, random init), {args.dtype} on {args.device}, engine.zero_stage=1, {args.micro_batches} "
           f"packed micro-batch(es) of {args.tokens} random tokens a step; medians of {args.steps} steps after one "
           f"warm-up; torch {torch.__version__}")
-    print("| TP | ranks | ZeRO stage run | threads/rank | step s | tokens/s | param+grad+optim MiB per rank "
+    print("| TP | head | ranks | ZeRO stage run | threads/rank | step s | tokens/s | param+grad+optim MiB per rank "
           "(param / grad / optim) | ratio to TP=1 | RssAnon MiB per rank, peak (during the steps) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = None
     for tp, ranks in runs.items():
         step_s = statistics.median(max(r["step_s"][i] for r in ranks) for i in range(1, args.steps + 1))
@@ -232,7 +241,8 @@ def main() -> None:
         cuda = ranks[0]["cuda_max_allocated"]
         if cuda is not None:
             rss += f"; max_memory_allocated {max(r['cuda_max_allocated'] for r in ranks) / MIB:.0f}"
-        print(f"| {tp} | {len(ranks)} | {ranks[0]['engine_stage']} | {ranks[0]['threads']} | {step_s:.3f} | "
+        head = "vocabulary-sharded" if tp.endswith("v") else "replicated"
+        print(f"| {tp.rstrip('v')} | {head} | {len(ranks)} | {ranks[0]['engine_stage']} | {ranks[0]['threads']} | {step_s:.3f} | "
               f"{ranks[0]['tokens_per_step'] / step_s:.0f} | {state / MIB:.1f} ({parts}) | {state / base:.2f}x | {rss} |")
     for tp, ranks in runs.items():
         print(f"TP={tp} losses per step (rank 0): {', '.join(f'{x:.6f}' for x in ranks[0]['losses'])}; rank 0's "

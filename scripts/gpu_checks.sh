@@ -233,7 +233,7 @@ if ! wanted ranks; then
 elif ((GPUS < 2)) && [[ "$DEVICE" == cuda ]]; then
     row "TP=2 vs TP=1 (AutoTP)" "skipped" 0 "$GPUS GPU(s) here: TP=2 needs 2"
 else
-    check "TP=2 vs TP=1 (AutoTP)" 150 "$TP_LOG" "$(echo bench_tensor_parallel.py "${TP_ARGS[@]}")" \
+    check "TP=2 vs TP=1 (AutoTP)" 240 "$TP_LOG" "$(echo bench_tensor_parallel.py "${TP_ARGS[@]}")" \
         "$PY" benchmarks/bench_tensor_parallel.py "${TP_ARGS[@]}"
 fi
 

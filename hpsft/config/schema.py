@@ -286,6 +286,11 @@ class EngineConfig:
     # layer's linear weights are split over this many ranks. The world is data-parallel size x
     # tensor-parallel size x sequence-parallel size (x pipeline-parallel size): hpsft/utils/distributed.py, Mesh.
     tensor_parallel_size: int = 1
+    # Under TP > 1 (DeepSpeed AutoTP): the input embedding and LM head sharded by vocabulary rows
+    # over the TP group, the loss vocabulary-parallel (docs/tensor_parallel.md, "The
+    # vocabulary-parallel head"). Opt-in: resuming its checkpoints at another TP size and
+    # `hpsft export` of them are not built yet (refused); the run's own end export is.
+    vocab_parallel_head: bool = False
     # Pipeline parallelism: the decoder layers split into this many stages (an engine that has it).
     pipeline_parallel_size: int = 1
     # Expert parallelism: an MoE layer's experts spread over this many of the data-parallel x
@@ -334,6 +339,9 @@ class EngineConfig:
                 raise ValueError(f"engine.{kind}_parallel_size={size}: engine.name=deepspeed has no {kind} "
                                  f"parallelism; use engine.{kind}_parallel_size=1")
         if self.tensor_parallel_size == 1:
+            if self.vocab_parallel_head:
+                raise ValueError("engine.vocab_parallel_head=true shards the head over the TP group: it needs "
+                                 "engine.tensor_parallel_size > 1")
             return
         tp = f"engine.tensor_parallel_size={self.tensor_parallel_size}"
         if self.zero_stage not in (1, 2):

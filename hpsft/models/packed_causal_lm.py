@@ -22,6 +22,7 @@ from hpsft.data.batch import IGNORE_INDEX, collate_jagged, longest_sequence, pac
 from hpsft.models.families import UnsupportedModel, longest_sliding_window, output_side
 from hpsft.models.ulysses_attention import INNER_IMPLEMENTATIONS, ULYSSES_IMPLEMENTATION, SequenceParallel, check_heads
 from hpsft.ops import varlen_linear_cross_entropy
+from hpsft.ops.vocab_parallel import sum_grad_over_tp
 
 
 class PackedCausalLM(nn.Module):
@@ -132,11 +133,17 @@ class PackedCausalLM(nn.Module):
         where a position predicts no supervised token). loss_grad_scale and head_grad_into:
         the op's grad_scale and grad_weight_into (forward)."""
         head = self.lm.get_output_embeddings()
+        shard = {}
+        rows = getattr(head, "vocab_rows", None)  # the vocabulary-parallel head (vocab_parallel_head.py)
+        if rows is not None:
+            # The op's d(hidden) is this rank's vocabulary rows' share: summed over TP in backward.
+            hidden = sum_grad_over_tp(hidden, rows.group)
+            shard = {"tp_group": rows.group, "vocab_start": rows.start, "vocab_size": rows.vocab_size}
         return varlen_linear_cross_entropy(
             hidden, head.weight, getattr(head, "bias", None), labels=labels, ignore_index=IGNORE_INDEX,
             reduction=reduction, backend=self.loss_backend, z_loss_weight=self.z_loss_weight,
             label_smoothing=self.label_smoothing, softcap=self.output_side.softcap, return_logprobs=True,
-            grad_scale=loss_grad_scale, grad_weight_into=head_grad_into,
+            grad_scale=loss_grad_scale, grad_weight_into=head_grad_into, **shard,
         )
 
     def forward(self, input_ids, position_ids, offsets, loss_mask=None, labels=None, slice_start: int = 0,
@@ -259,7 +266,8 @@ def check_row(lm: nn.Module, vocab: int | None = None, past_window: bool = True)
     """The start-up checks' input: two random sequences of fixed seed, of 24 and 9 tokens (with
     past_window, the first PAST_WINDOW tokens longer than any sliding window), and their packed
     row (fully supervised) on the device of `lm`'s weights."""
-    vocab = vocab or lm.get_output_embeddings().weight.shape[0]
+    head = lm.get_output_embeddings()
+    vocab = vocab or getattr(head, "vocab_size", head.weight.shape[0])  # a vocabulary-parallel head: the whole one
     g = torch.Generator().manual_seed(0)
     window = longest_sliding_window(lm.config) if past_window else None
     lengths = (window + PAST_WINDOW if window else 24, 9)

@@ -3,7 +3,8 @@ before DeepSpeed shards them.
 
 AutoTP splits q/k/v/gate/up projections by output rows (column-parallel) and o/down by input
 columns (row-parallel, all-reduced over the TP group); embeddings, norms and the LM head stay
-replicated (docs/tensor_parallel.md). A rank's attention then sees H/TP query and K/TP key/value
+replicated (docs/tensor_parallel.md), the embedding and head unless engine.vocab_parallel_head
+shards them by vocabulary rows first (vocab_parallel_head.py). A rank's attention then sees H/TP query and K/TP key/value
 heads: transformers reshapes the projections with -1 heads and keeps H/K query heads per
 key/value head, so hpsft's varlen attention runs on the rank's heads unchanged. That needs
 every count TP splits to divide by TP, and a family whose layers were shown to train under

@@ -292,6 +292,12 @@ def sequence_parallel_group(place: Mesh):
     return next(group for ranks, group in groups if place.rank in ranks)
 
 
+def tensor_parallel_group(place: Mesh):
+    """This rank's TP process group (a collective: every rank creates every group)."""
+    groups = [(ranks, dist.new_group(ranks)) for ranks in place.groups("tp")]
+    return next(group for ranks, group in groups if place.rank in ranks)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -6,7 +6,7 @@ per-step losses and unclipped gradient norms and its final weights, gathered who
 
 SPEC_PT holds {"tp": TP, "lr": float, "sequences": [{input_ids, loss_mask}], "steps": [[row, ...],
 ...] (a row: the sequence indices packed into it), "runs": [{"name", "model": path, "zero_stage",
-optionally "dtype": "bfloat16", "sp": SP}]}. With TP x SP ranks per group there are N/(TP x SP)
+optionally "dtype": "bfloat16", "sp": SP, "vocab_parallel": true (engine.vocab_parallel_head)}]}. With TP x SP ranks per group there are N/(TP x SP)
 data-parallel ranks (distributed.Mesh): dp rank d trains rows d, d+N/(TP x SP), ... of a step, the
 same on every rank of its group, each SP rank its slice of each row (what TrainingWorker does
 after planning the rows). OUT_PT gets {name: {"losses": [...], "grad_norms":
@@ -74,7 +74,8 @@ def run(spec: dict, run_spec: dict, samples: list[dict]) -> dict:
     config = load_config(None, [f"model.path={run_spec['model']}", f"engine.zero_stage={run_spec['zero_stage']}",
                                 f"engine.tensor_parallel_size={tp}", f"engine.sequence_parallel_size={sp}",
                                 f"engine.dtype={dtype}", f"optim.lr={spec['lr']}", "optim.warmup_ratio=0",
-                                "optim.lr_scheduler=constant"])
+                                "optim.lr_scheduler=constant",
+                                f"engine.vocab_parallel_head={run_spec.get('vocab_parallel', False)}"])
     place = distributed.mesh(config.engine)
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(spec["steps"]), mesh=place)
     lm = load_causal_lm(config.model.path)

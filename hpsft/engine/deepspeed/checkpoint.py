@@ -21,6 +21,7 @@ from hpsft.engine.deepspeed.universal import (load_through_universal, load_unive
                                               load_universal_without_zero, to_universal, to_universal_without_zero,
                                               unsharded_to_universal)
 from hpsft.engine.optimizer import param_groups
+from hpsft.utils.errors import UserInputError
 
 
 def frozen_names(module: nn.Module) -> set[str]:
@@ -55,6 +56,27 @@ def load_trained_state(src: dict, dst: nn.Module) -> None:
                            f"unexpected {sorted(result.unexpected_keys)[:5]}")
 
 
+# Written beside DeepSpeed's files by a run with engine.vocab_parallel_head=true: its embedding and
+# LM head are vocabulary-row shards (hpsft/models/vocab_parallel_head.py) that AutoTP's record in
+# the model files does not describe, so the universal conversion would merge them wrongly.
+VOCAB_PARALLEL_HEAD = "vocab_parallel_head.json"
+
+
+def check_vocab_parallel_resume(folder: Path, saved: Layout, run: Layout, vocab_parallel_head: bool) -> None:
+    """Refuse a resume whose embedding/head sharding differs from the checkpoint's, or that would
+    take a vocabulary-sharded checkpoint through the universal conversion (another TP or ZeRO
+    layout): not built yet (docs/tensor_parallel.md, "The vocabulary-parallel head")."""
+    sharded = (folder / VOCAB_PARALLEL_HEAD).exists()
+    if sharded != vocab_parallel_head:
+        raise UserInputError(f"{folder} was written with engine.vocab_parallel_head={str(sharded).lower()}: resume it "
+                             f"with the same setting (this run has {str(vocab_parallel_head).lower()})")
+    if sharded and (saved.zero_shards, saved.tp_size) != (run.zero_shards, run.tp_size):
+        raise UserInputError(f"{folder} holds a vocabulary-sharded embedding/head (engine.vocab_parallel_head=true) "
+                             f"written by {saved.zero_shards} ZeRO shards x {saved.tp_size} TP ranks; this run has "
+                             f"{run.zero_shards} x {run.tp_size}: resuming it at another layout is not supported yet, "
+                             "resume with the engine.tensor_parallel_size and world size that wrote it")
+
+
 def save(ds_engine, root: str, tag: str, tp_size: int) -> None:
     """DeepSpeed engine `ds_engine`'s state under root/tag (a collective)."""
     # ds_to_universal requires this key: without TP no model-parallel slicing patterns; under
@@ -76,7 +98,8 @@ def load_native(ds_engine, root: str, tag: str, load_optimizer_states: bool = Tr
         raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
 
 
-def load(ds_engine, root: str, tag: str, run: Layout, stage: int, grad_clip: float) -> None:
+def load(ds_engine, root: str, tag: str, run: Layout, stage: int, grad_clip: float,
+         vocab_parallel_head: bool = False) -> None:
     """Load root/tag into DeepSpeed engine `ds_engine`, which runs ZeRO stage `stage` in the
     layout `run`, whatever the layout the checkpoint was written in (below ZeRO-3; ZeRO-3
     resumes ZeRO 1-3 checkpoints of any shard count). `grad_clip`: this run's, which DeepSpeed's
@@ -85,6 +108,7 @@ def load(ds_engine, root: str, tag: str, run: Layout, stage: int, grad_clip: flo
     saved = Layout.of(folder)
     if saved is None:
         raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
+    check_vocab_parallel_resume(folder, saved, run, vocab_parallel_head)
     if (stage == 0 and saved.zero3) or (stage == 3 and not saved.zero_shards):
         # DeepSpeed converts between ZeRO-3 and the other layouts only through its ZeRO-3
         # universal loader, which needs state a checkpoint without ZeRO never had.

@@ -20,6 +20,7 @@ universal.py (conversions across layouts), weights.py (the weights alone, for ex
 """
 
 import contextlib
+import json
 import math
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -39,7 +40,8 @@ from hpsft.engine.deepspeed.weights import fp32_weights
 from hpsft.engine.grad_norm import global_grad_norm
 from hpsft.engine.optimizer import adamw, lr_scheduler
 from hpsft.models.tensor_parallel import ShardingCheck, sum_partial_gradients_over_tp
-from hpsft.utils.distributed import Mesh
+from hpsft.models.vocab_parallel_head import shard_vocabulary, vocab_rows_of, whole_vocabulary_weight
+from hpsft.utils.distributed import Mesh, tensor_parallel_group
 
 
 def copied(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,6 +95,12 @@ class DeepSpeedEngine(TrainEngine):
 
     def initialize(self, module: nn.Module, head_weight: nn.Parameter | None = None) -> None:
         self.head_weight = head_weight
+        whole = ShardingCheck.of(module) if self.tp_size > 1 else None  # before AutoTP shards it
+        if self.config.vocab_parallel_head:
+            # hpsft's own TP group (the same ranks as DeepSpeed's, which initialize builds later):
+            # the optimizer must be built on the vocabulary shards.
+            shard_vocabulary(module, tensor_parallel_group(self.mesh))
+            self.head_weight = None  # the whole-head fp32 gradient path (head_gradient) is off under TP anyway
         optimizer = self.build_optimizer(module)
         scheduler = lr_scheduler(optimizer, self.optim, self.total_steps)
         config = self.deepspeed_config()
@@ -100,7 +108,6 @@ class DeepSpeedEngine(TrainEngine):
             print(f"hpsft: engine.zero_stage={self.config.zero_stage} in one process runs without ZeRO: nothing to "
                   "partition (checkpoints hold the whole optimizer state and resume with any number of ranks)",
                   flush=True)
-        whole = ShardingCheck.of(module) if self.tp_size > 1 else None  # before AutoTP shards it
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=config)
         if self.tp_size > 1:
@@ -195,11 +202,15 @@ class DeepSpeedEngine(TrainEngine):
 
     def save_checkpoint(self, root: str, tag: str) -> None:
         checkpoint.save(self.engine, root, tag, self.tp_size)
+        if self.config.vocab_parallel_head and dist.get_rank() == 0:
+            (Path(root) / tag / checkpoint.VOCAB_PARALLEL_HEAD).write_text(
+                json.dumps({"tensor_parallel_size": self.tp_size}) + "\n")
 
     def load_checkpoint(self, root: str, tag: str) -> None:
         """A checkpoint written with any data-parallel size, with or without ZeRO (below
         ZeRO-3), and with any tensor-parallel size (checkpoint.load)."""
-        checkpoint.load(self.engine, root, tag, self.layout(), self.stage, self.optim.grad_clip)
+        checkpoint.load(self.engine, root, tag, self.layout(), self.stage, self.optim.grad_clip,
+                        self.config.vocab_parallel_head)
 
     @classmethod
     def checkpoint_weights(cls, folder: Path, scratch: Path) -> Mapping[str, torch.Tensor] | None:
@@ -225,6 +236,10 @@ class DeepSpeedEngine(TrainEngine):
         tensors.update(module.named_buffers())
         for name in names:
             tensor = tensors[name]
+            if vocab_rows_of(tensor) is not None:  # the vocabulary-parallel head's rows, over the TP group
+                whole = whole_vocabulary_weight(tensor)
+                yield name, copied(whole.cpu()) if dist.get_rank() == 0 else None
+                continue
             with self.gathered([tensor]):
                 yield name, copied(tensor.detach().cpu()) if dist.get_rank() == 0 else None
 
