@@ -1,0 +1,187 @@
+"""The data stage of a vision-language model (hpsft/data/image_sequences.py, preparation.py with an
+image processor): image chat rows on real photographs (scikit-image's) -> tokens in the token
+store and patches memory-mapped beside them, prepared in parallel and by a team of ranks as one
+process would, resumed by shard, a missing image refused naming its file and row."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hpsft.data.image_rows import IMAGE_PAD, VISION_END, VISION_START
+from hpsft.data.preparation import LocalRunner, prepared_store
+from hpsft.data.rows import DataError
+from hpsft.data.shards import plan_shards
+from tests.conftest import REPO, TEST_MODEL, train_env, write_jsonl
+from tests.test_data_stage import options
+
+PHOTOS = {"astronaut.jpg": ("astronaut", (112, 84)), "coffee.png": ("coffee", (140, 112)),
+          "chelsea.jpg": ("chelsea", (56, 84)), "camera.png": ("camera", (84, 84))}
+
+
+def image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+
+
+@pytest.fixture(scope="module")
+def vl_tokenizer():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TEST_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
+    return tok
+
+
+def image_rows(n: int, last_image: str = "camera.png") -> list[dict]:
+    """n rows cycling through OpenAI content parts (two images), LLaVA `<image>` + images (one),
+    and text only; the last row shows `last_image`."""
+    shapes = [
+        lambda k: {"messages": [{"role": "user", "content": [
+            {"type": "image", "image": "imgs/astronaut.jpg"}, {"type": "text", "text": f"and {k}"},
+            {"type": "image_url", "image_url": {"url": "imgs/coffee.png"}}, {"type": "text", "text": "what?"}]},
+            {"role": "assistant", "content": f"An astronaut and a coffee, number {k}."}]},
+        lambda k: {"conversations": [{"from": "human", "value": f"<image>\nWhat animal is this ({k})?"},
+                                     {"from": "gpt", "value": "A cat, sitting." * (k % 3 + 1)}],
+                   "images": ["imgs/chelsea.jpg"]},
+        lambda k: {"messages": [{"role": "user", "content": f"Say hello {k} times."},
+                                {"role": "assistant", "content": "hello " * k}]},
+    ]
+    rows = [shapes[k % 3](k) for k in range(n)]
+    rows[-1] = {"messages": [{"role": "user", "content": [{"type": "image", "image": f"imgs/{last_image}"},
+                                                          {"type": "text", "text": "What is this?"}]},
+                             {"role": "assistant", "content": "A photographer with a camera."}]}
+    return rows
+
+
+@pytest.fixture
+def image_data(tmp_path) -> Path:
+    """18 image rows in tmp_path/data/train.jsonl, their photographs in tmp_path/data/imgs."""
+    from skimage import data as photos
+
+    (tmp_path / "data" / "imgs").mkdir(parents=True)
+    for name, (photo, size) in PHOTOS.items():
+        image = Image.fromarray(getattr(photos, photo)()).convert("RGB").resize(size)
+        image.save(tmp_path / "data" / "imgs" / name)
+    return Path(write_jsonl(image_rows(18), tmp_path / "data" / "train.jsonl"))
+
+
+def store_items(store) -> list[dict]:
+    return [{key: value.tolist() if hasattr(value, "tolist") else value for key, value in store[i].items()}
+            for i in range(len(store))]
+
+
+def test_image_rows_prepared_in_parallel_equal_one_process_and_the_processor(image_data, tmp_path, vl_tokenizer):
+    """18 image rows (two images, one image, text only) prepared as one shard here and as ~6 shards
+    over 2 worker processes: the same tokens, masks, patches and grids per sequence. Each
+    sequence's patches equal the processor's own call on its row's images in order (exact), and its
+    input_ids hold t*h*w/4 image tokens per image, none under the loss mask. Planted bug: TokenStore.__getitem__ reads the patches of the next
+    sequence of its shard -> the 1-shard and 5-shard stores' items differed (assert store_items(one)
+    == store_items(many) failed)."""
+    processor = image_processor()
+    opts = options()
+    one = prepared_store(str(image_data), vl_tokenizer, opts, tmp_path / "one", LocalRunner(1), shard_mb=64,
+                         processor=processor)
+    many = prepared_store(str(image_data), vl_tokenizer, opts, tmp_path / "many", LocalRunner(2),
+                          shard_mb=image_data.stat().st_size / 6 / 2**20, processor=processor)
+    assert len(many.summary["shards"]) >= 5 and many.summary["images"] == one.summary["images"] == 19
+    assert store_items(one) == store_items(many)
+    assert isinstance(many.patches[0].pixels, np.memmap)
+    pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    rows = image_rows(18)
+    for i, row in enumerate(rows):
+        item = one[i]
+        names = [part.get("image") or part.get("image_url", {}).get("url") for m in row.get("messages", [])
+                 if isinstance(m["content"], list) for part in m["content"] if part["type"] != "text"]
+        names += row.get("images", [])
+        if not names:
+            assert item["pixel_values"].shape[0] == 0 and item["image_grid_thw"].shape[0] == 0
+            continue
+        own = [processor(images=Image.open(image_data.parent / name).convert("RGB"), return_tensors="np")
+               for name in names]
+        np.testing.assert_array_equal(item["pixel_values"].numpy(),
+                                      np.concatenate([o["pixel_values"] for o in own]))
+        np.testing.assert_array_equal(item["image_grid_thw"].numpy(),
+                                      np.concatenate([o["image_grid_thw"] for o in own]))
+        ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+        assert ids.count(pad) == sum(int(o["image_grid_thw"].prod()) // 4 for o in own)
+        assert not any(m for t, m in zip(ids, mask) if t == pad)
+    # The token budget counts the image tokens: the store's lengths include them.
+    assert one.lengths.tolist() == [len(item["input_ids"]) for item in store_items(one)]
+
+
+TEAM_SCRIPT = """
+import sys
+from transformers import AutoTokenizer
+from hpsft.data.preparation import Team, TeamRunner, prepared_store
+from tests.test_data_stage import options
+from tests.test_image_data_stage import image_processor
+
+if __name__ == "__main__":
+    path, cache, shard_mb, tokenizer_dir, rank = sys.argv[1:6]
+    runner = TeamRunner(Team(int(rank), int(rank), 2, "attempt-1"), 1)
+    prepared_store(path, AutoTokenizer.from_pretrained(tokenizer_dir), options(), cache, runner,
+                   shard_mb=float(shard_mb), processor=image_processor())
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_preparing_image_rows_together_equal_one_process(image_data, tmp_path, vl_tokenizer):
+    """Two ranks (processes) of a team sharing the cache folder split ~6 shards of image rows: each
+    shard's Arrow, patch and index files are byte-identical to one process's preparation. Planted
+    bug: TeamRunner.run not handing the processor to its local runner (the rank's shards prepared
+    as text) -> the ranks exited non-zero, a traceback from prepare()."""
+    shard_mb = image_data.stat().st_size / 6 / 2**20
+    vl_tokenizer.save_pretrained(tmp_path / "tok")
+    ranks = [subprocess.Popen([sys.executable, "-c", TEAM_SCRIPT, str(image_data), str(tmp_path / "team"),
+                               str(shard_mb), str(tmp_path / "tok"), str(rank)], cwd=REPO, env=train_env(),
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "one", LocalRunner(1), shard_mb=shard_mb,
+                   processor=image_processor())
+    (team_dir,), (one_dir,) = list((tmp_path / "team").iterdir()), list((tmp_path / "one").iterdir())
+    assert team_dir.name == one_dir.name
+    files = sorted(p.name for p in one_dir.glob("shard-*") if not p.name.endswith(".json"))
+    assert len(files) >= 15  # >= 5 shards x (arrow, patches, index)
+    for name in files:
+        assert (team_dir / name).read_bytes() == (one_dir / name).read_bytes(), name
+
+
+def test_a_missing_image_is_refused_by_row_and_the_preparation_resumes_by_shard(image_data, tmp_path, vl_tokenizer,
+                                                                                capsys):
+    """The last row's image is missing: preparation stops naming the data file, the row and the
+    image, after the shards before it are complete. With the image added, the rerun prepares only
+    the last shard and shard 0, whose patch files were deleted, and every shard's token, patch and
+    index files are byte-identical to a preparation that was never interrupted. Planted bug:
+    completed_sidecar not checking the patch files -> the rerun took shard 0 as done and failed
+    opening the store (DataError "the image patches of .../shard-00000.arrow are missing")."""
+    write_jsonl(image_rows(18, last_image="later.png"), image_data)
+    shard_mb = image_data.stat().st_size / 6 / 2**20
+    n = len(plan_shards([image_data], int(shard_mb * 2**20)))
+    cache, processor = tmp_path / "cache", image_processor()
+    with pytest.raises(DataError, match=rf"{image_data} row 17: image 'imgs/later.png' not found"):
+        prepared_store(str(image_data), vl_tokenizer, options(), cache, LocalRunner(1), shard_mb=shard_mb,
+                       processor=processor)
+    (store_dir,) = list(cache.iterdir())
+    assert len(list(store_dir.glob("shard-*.json"))) == n - 1
+    for suffix in (".patches", ".patches.npz"):  # shard 0's patches lost: shard 0 prepared again too
+        (store_dir / f"shard-00000.arrow{suffix}").unlink()
+    (image_data.parent / "imgs" / "camera.png").rename(image_data.parent / "imgs" / "later.png")
+    capsys.readouterr()
+    prepared_store(str(image_data), vl_tokenizer, options(), cache, LocalRunner(1), shard_mb=shard_mb,
+                   processor=processor, report=True)
+    assert f"2 of {n} shards to tokenize ({n - 2} done before)" in capsys.readouterr().out
+    straight = tmp_path / "straight"
+    prepared_store(str(image_data), vl_tokenizer, options(), straight, LocalRunner(1), shard_mb=shard_mb,
+                   processor=processor)
+    (straight_dir,) = list(straight.iterdir())
+    assert straight_dir.name == store_dir.name
+    files = sorted(p.name for p in straight_dir.glob("shard-*") if not p.name.endswith(".json"))
+    assert len(files) == 3 * n
+    for name in files:
+        assert (store_dir / name).read_bytes() == (straight_dir / name).read_bytes(), name
