@@ -225,3 +225,80 @@ def test_selected_store_sequences_pack_into_a_row_the_models_own_forward_agrees_
     assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
     assert torch.equal(row["image_grid_thw"], torch.cat([c["image_grid_thw"] for c in conversations
                                                          if c["image_grid_thw"] is not None]))
+
+
+def tiny_vl_folder(folder: Path, tokenizer) -> str:
+    """A 2-layer Qwen2-VL (tests/test_vision_lm.py's tiny_qwen2_vl) saved with its tokenizer and
+    image processor: the model folder `hpsft train` takes."""
+    from tests.test_vision_lm import tiny_qwen2_vl
+
+    tiny_qwen2_vl(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor().save_pretrained(folder)
+    return str(folder)
+
+
+def vl_overrides(model, train, run_dir, **extra) -> list[str]:
+    from tests.conftest import base_overrides
+
+    return base_overrides(model, train, None, run_dir, **{
+        "data.train_batch_size": 6, "data.micro_batch_size_per_gpu": 3, "trainer.total_steps": 2,
+        "optim.grad_clip": 0.0, "trainer.save_every": 0, "trainer.export_hf": "false", **extra})
+
+
+def step_figures(run_dir) -> list[tuple[float, float]]:
+    from tests.conftest import read_metrics
+
+    return [(m["train/loss"], m["train/grad_norm"]) for m in read_metrics(run_dir) if "train/loss" in m]
+
+
+def parameters_of(folder: Path) -> dict:
+    """The parameters of the model a folder holds, loaded by transformers, by their names."""
+    from transformers import AutoModelForImageTextToText
+
+    return {name: p.detach() for name, p in AutoModelForImageTextToText.from_pretrained(folder).named_parameters()}
+
+
+@pytest.mark.slow
+def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_stays(image_data, tmp_path,
+                                                                                   vl_tokenizer):
+    """`hpsft train` on the image rows with a tiny Qwen2-VL folder (2 steps of 6 sequences, 3 per
+    micro-batch, the ranks' micro-batches with and without images): 2 ranks under ZeRO-2 give each
+    step's loss and unclipped grad norm of one process (fp32, <= 1e-5 relative). With
+    model.freeze_vision=true the exported vision tower (and its merger) is bit-identical to the
+    folder's while the decoder moved. ZeRO-3 is refused naming engine.zero_stage before any data is
+    prepared. Measured: losses 10.7837284 / 10.4840388 (one process) vs 10.7837288 / 10.4840393,
+    grad norms 4.86445379 / 2.93442845 vs 4.86445379 / 2.93442893 (rel <= 1.6e-7). Planted bugs:
+    - SourcedDataset.__getitem__ dropping the store items' images (as it did before this change)
+      -> the one-process run failed (ValueError "sequence 0 has 24 image placeholder tokens, which
+      are not the tokens of whole images 0.. of the row (tokens per image [])");
+    - the worker building PackedVisionLM with freeze_vision=False whatever the config -> the
+      tower-unchanged assertion failed (the exported tower's weights had moved)."""
+    from tests.conftest import assert_ok, rel_diff, run_cli
+
+    model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
+    runs = {"one": (1, {}), "zero2": (2, {}), "frozen": (1, {"model.freeze_vision": "true",
+                                                             "trainer.export_hf": "true"})}
+    for name, (nproc, extra) in runs.items():
+        assert_ok(run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / name,
+                                                      **{"engine.zero_stage": 2, **extra}), nproc=nproc))
+    reference = step_figures(tmp_path / "one")
+    assert len(reference) == 2
+    for (loss, norm), (ref_loss, ref_norm) in zip(step_figures(tmp_path / "zero2"), reference, strict=True):
+        assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, (loss, norm, ref_loss, ref_norm)
+    before, after = parameters_of(Path(model)), parameters_of(tmp_path / "frozen" / "hf")  # the export loads
+    tower = [name for name in before if ".visual." in name]
+    assert tower and set(before) == set(after)
+    assert all(torch_equal(before[name], after[name]) for name in tower)
+    decoder = [name for name in before if "language_model.layers.0.mlp" in name]
+    assert decoder and not any(torch_equal(before[name], after[name]) for name in decoder)
+    refused = run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / "zero3", **{"engine.zero_stage": 3}))
+    assert refused.returncode != 0 and "does not train with engine.zero_stage=3 yet" in refused.stderr, \
+        refused.stderr[-2000:]
+    assert not (tmp_path / "zero3").exists()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
