@@ -1,7 +1,10 @@
-"""The data stage of a vision-language model (hpsft/data/image_sequences.py, preparation.py with an
-image processor): image chat rows on real photographs (scikit-image's) -> tokens in the token
-store and patches memory-mapped beside them, prepared in parallel and by a team of ranks as one
-process would, resumed by shard, a missing image refused naming its file and row."""
+"""Vision-language SFT through the data stage and the trainer (docs/vision.md): image chat rows on
+real photographs (scikit-image's) -> tokens in the token store and patches memory-mapped beside
+them (hpsft/data/image_sequences.py, preparation.py with an image processor), prepared in
+parallel and by a team of ranks as one process would, resumed by shard, a missing image refused
+naming its file and row; store sequences collated and packed as the model's own forward sees
+them; `hpsft train` at DP=2 == one process, a frozen tower unchanged; `hpsft inspect-data`
+showing where each image's tokens go."""
 
 import subprocess
 import sys
@@ -302,3 +305,34 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_inspect_data_shows_where_each_images_tokens_go(image_data, tmp_path, vl_tokenizer, capsys):
+    """hpsft inspect-data with a vision-language model folder: for each shown sequence, each image's
+    grid (the processor's own, on that photograph) and its run of image tokens, at the positions
+    the data stage's store holds them (the store's input_ids, searched independently); the pads
+    written once with their count. Planted bug: image_token_lines printing each run from the token
+    after its start (begin + 1) -> the line "image 1: grid 1x6x8 patches -> tokens 25-36" of row
+    0 was not in the output (26-36 printed)."""
+    from hpsft.commands.inspect_data import main
+
+    model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
+    processor = image_processor()
+    store = prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "cache", LocalRunner(1),
+                           processor=processor)
+    assert main([f"model.path={model}", f"data.train_files=[{image_data}]", "data.max_length=1024",
+                 "--rows", "2", "--color", "never", "--stats-rows", "2"]) == 0
+    out = capsys.readouterr().out
+    pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    for row, names in ((0, ["astronaut.jpg", "coffee.png"]), (1, ["chelsea.jpg"])):
+        ids = store[row]["input_ids"].tolist()
+        starts = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
+        for k, (name, start) in enumerate(zip(names, starts, strict=True)):
+            grid = processor(images=Image.open(image_data.parent / "imgs" / name).convert("RGB"),
+                             return_tensors="np")["image_grid_thw"][0]
+            n = int(grid.prod()) // 4
+            assert ids[start:start + n] == [pad] * n
+            line = (f"  image {k + 1}: grid {grid[0]}x{grid[1]}x{grid[2]} patches -> tokens {start}-{start + n - 1} "
+                    f"({n} image tokens")
+            assert line in out, (line, out[-3000:])
+        assert f"{IMAGE_PAD}x{int(store[row]['image_grid_thw'][0].prod()) // 4}" in out
