@@ -8,7 +8,9 @@ taken on marked: green on a terminal, between [[ and ]] otherwise (--color). The
 rows (all of them, or the first --stats-rows): token lengths of the sequences (percentiles
 and a histogram), how many rows are over data.max_length and what data.truncation does with
 them, the counts of the data stage (rows split, expanded per turn, dropped: docs/data.md),
-and how many rows are refused and why. Nothing is written.
+and how many rows are refused and why. Nothing is written. For a vision-language model
+(docs/vision.md) the rows' images are processed as the data stage does and each shown
+sequence lists where each image's tokens go (its grid, its run of image tokens).
 """
 
 import dataclasses
@@ -18,11 +20,14 @@ from collections import Counter
 from hpsft.commands import command_parser
 from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.inspection import COLOR_MARKS, PLAIN_MARKS, input_files, length_report, marked_text
+from hpsft.data.image_rows import IMAGE_PAD
+from hpsft.data.image_sequences import image_rows_sequences
+from hpsft.data.inspection import (COLOR_MARKS, PLAIN_MARKS, compressed_image_pads, image_token_lines, input_files,
+                                   length_report, marked_text)
 from hpsft.data.row_sequences import OverMaxLength, row_sequences
 from hpsft.data.rows import TokenizeOptions
 from hpsft.data.shards import read_rows
-from hpsft.models.loading import check_model_path, load_tokenizer
+from hpsft.models.loading import check_model_path, is_vision_language_folder, load_image_processor, load_tokenizer
 from hpsft.utils.errors import UserInputError, exits_2_on_user_error
 
 
@@ -43,6 +48,9 @@ def main(argv=None) -> int:
     if opts.chat_template is None and tokenizer.chat_template is None:
         raise UserInputError(f"the tokenizer of {config.model.path} has no chat template: name one with "
                              "data.chat_template=<Jinja text or .jinja file>")
+    model = config.model
+    processor = (load_image_processor(model.path, model.trust_remote_code)
+                 if is_vision_language_folder(model.path, model.trust_remote_code) else None)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     marks = COLOR_MARKS if color else PLAIN_MARKS
     # Under data.truncation=error a row over data.max_length stops the run: it is shown and
@@ -54,9 +62,9 @@ def main(argv=None) -> int:
             if args.stats_rows is not None and rows + sum(refused.values()) >= args.stats_rows:
                 break
             try:
-                result = row_sequences(row, tokenizer, opts)
+                result, patches = sequences_of(row, tokenizer, processor, opts, path)
             except OverMaxLength:
-                result = row_sequences(row, tokenizer, unlimited)
+                result, patches = sequences_of(row, tokenizer, processor, unlimited, path)
                 counts["over_max_length_rows"] += 1
             except BadRow as err:
                 refused[str(err)] += 1
@@ -71,9 +79,25 @@ def main(argv=None) -> int:
                 for i, (ids, mask) in enumerate(result.sequences):
                     which = f"sequence {i + 1} of {len(result.sequences)}, " if len(result.sequences) > 1 else ""
                     print(f"=== {path} row {row_idx}: {which}{len(ids)} tokens, {sum(mask)} supervised")
-                    print(marked_text(tokenizer, ids, mask, marks))
+                    text = marked_text(tokenizer, ids, mask, marks)
+                    if patches is not None:
+                        text = compressed_image_pads(text, IMAGE_PAD)
+                    print(text)
+                    if patches is not None and len(patches[i][1]):
+                        print("\n".join(image_token_lines(ids, patches[i][1], tokenizer.convert_tokens_to_ids(
+                            IMAGE_PAD), processor.merge_size)))
     print("\n".join(length_report(lengths, rows, refused, counts, opts)))
     return 0
+
+
+def sequences_of(row, tokenizer, processor, opts: TokenizeOptions, path):
+    """The row's RowSequences and, with an image processor, each sequence's (pixels, grids)."""
+    if processor is None:
+        return row_sequences(row, tokenizer, opts), None
+    [result] = image_rows_sequences([row], tokenizer, processor, opts, path)
+    if isinstance(result, BadRow):
+        raise result
+    return result.sequences, result.patches
 
 
 if __name__ == "__main__":

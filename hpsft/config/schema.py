@@ -88,6 +88,9 @@ class ModelConfig:
     # Run every decoder layer's MLP over the row in tiles of this many tokens, forward and
     # backward (long rows: docs/sequence_parallel.md); None: in one piece.
     tiled_mlp_tokens: Optional[int] = None
+    # A vision-language model (docs/vision.md): freeze its vision tower and projector (no
+    # gradient, weights unchanged); refused for a text model.
+    freeze_vision: bool = False
 
     def __post_init__(self):
         check_choice("model", "attn_implementation", self.attn_implementation,

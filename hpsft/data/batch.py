@@ -3,13 +3,17 @@
 Nothing is padded. All fields share one set of offsets (the batch's cu_seqlens), so
 `batch["input_ids"].offsets()` describes every field. Per sequence: `index` (its position
 in the dataset) and `source` (which data.train_files/val_files entry it comes from; a sample
-that does not say is from the first).
+that does not say is from the first). A vision-language model's batch (samples with
+`pixel_values` [patches, patch_dim] and `image_grid_thw` [images, 3]: token_store.py) also holds
+those two as jagged fields with their own offsets (patches, images per sequence), so that
+selecting sequences selects their images.
 """
 
 import torch
 from tensordict import TensorDict
 
 FIELDS = ("input_ids", "loss_mask", "position_ids")
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
 
 
 def jagged_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
@@ -29,17 +33,26 @@ def jagged_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torc
 
 
 def collate_jagged(samples: list[dict]) -> TensorDict:
-    """Dataloader collate_fn: a list of {input_ids, loss_mask, index, source?} -> jagged TensorDict."""
-    lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.int64)
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    return jagged_batch(
+    """Dataloader collate_fn: a list of {input_ids, loss_mask, index, source?, and for a
+    vision-language model pixel_values, image_grid_thw} -> jagged TensorDict."""
+    batch = jagged_batch(
         torch.cat([s["input_ids"] for s in samples]),
         torch.cat([s["loss_mask"] for s in samples]),
-        offsets,
+        offsets_of([s["input_ids"].shape[0] for s in samples]),
         torch.tensor([s["index"] for s in samples], dtype=torch.int64),
         torch.tensor([s.get("source", 0) for s in samples], dtype=torch.int64),
     )
+    if samples and "pixel_values" in samples[0]:
+        for name in IMAGE_FIELDS:
+            batch[name] = torch.nested.nested_tensor_from_jagged(
+                torch.cat([s[name] for s in samples]), offsets=offsets_of([s[name].shape[0] for s in samples]))
+    return batch
+
+
+def offsets_of(lengths: list[int]) -> torch.Tensor:
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    return offsets
 
 
 def empty_batch() -> TensorDict:
@@ -115,10 +128,15 @@ def packed_row(batch: TensorDict) -> dict:
             "max_length": 1,
         }
     offsets = batch["input_ids"].offsets()
-    return {
+    row = {
         "input_ids": batch["input_ids"].values().unsqueeze(0),
         "position_ids": batch["position_ids"].values().unsqueeze(0),
         "loss_mask": batch["loss_mask"].values(),
         "offsets": offsets,
         "max_length": longest_sequence(offsets),
     }
+    # A vision row: its sequences' images in row order (packed_vision_lm.py's contract); none
+    # when no sequence of it has an image.
+    if "image_grid_thw" in batch.keys() and batch["image_grid_thw"].values().shape[0] > 0:
+        row.update({name: batch[name].values() for name in IMAGE_FIELDS})
+    return row

@@ -4,6 +4,7 @@ prepare-data's report)."""
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -33,6 +34,30 @@ def marked_text(tokenizer, input_ids: list[int], loss_mask: list[int], marks: tu
     decoded separately, so a mark never splits a token."""
     return "".join(f"{marks[0]}{tokenizer.decode(ids)}{marks[1]}" if supervised else tokenizer.decode(ids)
                    for supervised, ids in mask_spans(input_ids, loss_mask))
+
+
+def image_token_lines(input_ids: list[int], grids, pad_id: int, merge_size: int) -> list[str]:
+    """Where each image's tokens go in a sequence: per image (row order) its patch grid and the
+    run of image tokens [start, end) holding its merged features."""
+    runs, start = [], None
+    for i, token in enumerate([*input_ids, None]):
+        if token == pad_id and start is None:
+            start = i
+        elif token != pad_id and start is not None:
+            runs.append((start, i))
+            start = None
+    lines = []
+    for k, ((t, h, w), (begin, end)) in enumerate(zip([tuple(int(x) for x in g) for g in grids], runs)):
+        lines.append(f"  image {k + 1}: grid {t}x{h}x{w} patches -> tokens {begin}-{end - 1} "
+                     f"({end - begin} image tokens = {t * h * w} patches / {merge_size}x{merge_size})")
+    if len(runs) != len(grids):
+        lines.append(f"  {len(runs)} runs of image tokens for {len(grids)} images: the placeholders are not whole images")
+    return lines
+
+
+def compressed_image_pads(text: str, pad: str) -> str:
+    """Runs of the image token written once with their count (a 1,000-token image stays one line)."""
+    return re.sub(f"(?:{re.escape(pad)})+", lambda m: f"{pad}x{len(m.group(0)) // len(pad)}", text)
 
 
 def percentile(sorted_values: list[int], q: float) -> int:

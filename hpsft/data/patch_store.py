@@ -53,6 +53,11 @@ class PatchWriter:
         os.replace(tmp_index, self.index_path)
 
 
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 class MappedPatches:
     """One shard's patches, mapped: sequence i -> (pixel_values, grid_thw) as they were written."""
 

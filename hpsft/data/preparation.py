@@ -35,8 +35,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpsft.data import chat_messages, chat_tokenize, row_sequences as row_sequences_module, rows, shards, token_store
+from hpsft.data import chat_messages, chat_tokenize, image_rows, image_sequences, patch_store, \
+    row_sequences as row_sequences_module, rows, shards, token_store
 from hpsft.data.chat_messages import BadRow
+from hpsft.data.image_rows import IMAGE_PAD, VISION_END, VISION_START
+from hpsft.data.image_sequences import image_rows_sequences, patch_dim
+from hpsft.data.patch_store import MappedPatches, PatchWriter
 from hpsft.data.row_sequences import rows_sequences
 from hpsft.data.rows import DataError, TokenizeOptions, UnreadableRow
 from hpsft.data.shards import Shard, expand_entry, plan_shards, shard_rows
@@ -50,7 +54,8 @@ DEFAULT_SHARD_MB = 16.0
 POLL_S = 1.0  # how often a waiting rank looks at the store folder
 ROWS_PER_CALL = 64  # rows tokenized by one call (the fast tokenizer's batch call beats 64 single ones)
 # The modules whose rules turn rows into tokens: a store written under other rules is not reused.
-TOKENIZATION_CODE = (chat_messages, chat_tokenize, rows, row_sequences_module, shards, token_store)
+TOKENIZATION_CODE = (chat_messages, chat_tokenize, rows, row_sequences_module, shards, token_store, image_rows,
+                     image_sequences, patch_store)
 
 
 def default_num_proc() -> int:
@@ -79,8 +84,15 @@ def code_sha256() -> str:
     return h.hexdigest()
 
 
-def store_identity(files: list[Path], tokenizer, opts: TokenizeOptions, shard_bytes: int) -> dict:
-    return {
+def processor_identity(processor) -> str | None:
+    """What of an image processor decides the patches (its settings), None for a text model."""
+    if processor is None:
+        return None
+    return hashlib.sha256(json.dumps(processor.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def store_identity(files: list[Path], tokenizer, opts: TokenizeOptions, shard_bytes: int, processor=None) -> dict:
+    identity = {
         "format": STORE_FORMAT,
         "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                    for p in files],
@@ -89,6 +101,9 @@ def store_identity(files: list[Path], tokenizer, opts: TokenizeOptions, shard_by
         "shard_bytes": shard_bytes,
         "code sha256": code_sha256(),
     }
+    if processor is not None:  # a text store's key stays what it was
+        identity["image processor sha256"] = processor_identity(processor)
+    return identity
 
 
 def store_key(identity: dict) -> str:
@@ -112,33 +127,40 @@ class ShardJob:
         return Path(self.store_dir) / f"shard-{self.index:05d}.json"
 
 
-WORKER_STATE: dict = {}  # the tokenizer and options of this worker process (set once by init_worker)
+WORKER_STATE: dict = {}  # the tokenizer, options and image processor of this worker process (init_worker)
 
 
-def init_worker(tokenizer, opts: TokenizeOptions) -> None:
-    WORKER_STATE.update(tokenizer=tokenizer, opts=opts)
+def init_worker(tokenizer, opts: TokenizeOptions, processor=None) -> None:
+    """`processor`: the image processor of a vision-language model (None: text rows)."""
+    WORKER_STATE.update(tokenizer=tokenizer, opts=opts, processor=processor)
 
 
-def worker_pool(workers: int, tokenizer, opts: TokenizeOptions):
+def worker_pool(workers: int, tokenizer, opts: TokenizeOptions, processor=None):
     """`workers` processes tokenizing with these options (WORKER_STATE set by init_worker),
     for run_jobs. forkserver:
     workers start from a clean process, not a fork of this one (its threads, e.g.
     torch.distributed's, would be copied mid-state)."""
-    return multiprocessing.get_context("forkserver").Pool(workers, init_worker, (tokenizer, opts))
+    return multiprocessing.get_context("forkserver").Pool(workers, init_worker, (tokenizer, opts, processor))
 
 
 def prepare_shard(job: ShardJob) -> dict:
     """Tokenize one shard into its Arrow file, then write its sidecar; returns the sidecar.
     Rows go through rows_sequences ROWS_PER_CALL at a time (one tokenizer call for all)."""
-    tokenizer, opts = WORKER_STATE["tokenizer"], WORKER_STATE["opts"]
+    tokenizer, opts, processor = WORKER_STATE["tokenizer"], WORKER_STATE["opts"], WORKER_STATE.get("processor")
     start = time.perf_counter()
     writer = ShardWriter(job.arrow_path)
-    tally = {"rows": 0, "skipped": 0, "counts": Counter()}
+    # A vision-language model's store: each sequence's image patches beside its tokens.
+    patches = None if processor is None else PatchWriter(job.arrow_path, patch_dim(processor))
+    tally = {"rows": 0, "skipped": 0, "counts": Counter(), "images": 0}
+
+    def sequences_of(readable_rows: list) -> list:
+        if processor is None:
+            return rows_sequences(readable_rows, tokenizer, opts)
+        return image_rows_sequences(readable_rows, tokenizer, processor, opts, job.shard.path)
 
     def tokenize(chunk: list[tuple[int, object]]) -> None:
         readable = [(row_no, row) for row_no, row in chunk if not isinstance(row, UnreadableRow)]
-        results = dict(zip((row_no for row_no, _ in readable),
-                           rows_sequences([row for _, row in readable], tokenizer, opts)))
+        results = dict(zip((row_no for row_no, _ in readable), sequences_of([row for _, row in readable])))
         for row_no, row in chunk:
             result = results.get(row_no, BadRow(row.reason) if isinstance(row, UnreadableRow) else None)
             if isinstance(result, BadRow):
@@ -147,6 +169,11 @@ def prepare_shard(job: ShardJob) -> dict:
                     continue
                 raise DataError(f"{job.shard.path} row {row_no}: {result} (set data.bad_rows=skip to skip such "
                                 "rows)")
+            if patches is not None:
+                for pixels, grids in result.patches:
+                    patches.add(pixels, grids)
+                    tally["images"] += len(grids)
+                result = result.sequences
             tally["counts"].update(result.counts)  # a dropped row included (dropped_over_max_length)
             for ids, mask in result.sequences:
                 writer.add(ids, mask, row_no)
@@ -160,10 +187,16 @@ def prepare_shard(job: ShardJob) -> dict:
                 tokenize(chunk)
                 chunk = []
         tokenize(chunk)
+        if patches is not None:
+            patches.close()  # before the tokens: a shard whose Arrow file is in place has its patches
         held = writer.close()
     except BaseException:
         writer.abort()
+        if patches is not None:
+            patches.abort()
         raise
+    if patches is not None:
+        held["images"] = tally["images"]
     sidecar = {"shard": asdict(job.shard), "rows": tally["rows"], "skipped_rows": tally["skipped"],
                "counts": dict(tally["counts"]), **held, "seconds": round(time.perf_counter() - start, 3)}
     write_json_atomically(job.sidecar_path, sidecar)
@@ -183,12 +216,26 @@ def completed_sidecar(job: ShardJob, repair: bool = True) -> dict | None:
         return None
     try:
         MappedShard(job.arrow_path, sidecar)
+        if "images" in sidecar:
+            check_patches(job.arrow_path, sidecar)
     except DamagedShard as err:
         if repair:
             print(f"hpsft: {err}: preparing it again", file=sys.stderr, flush=True)
             job.sidecar_path.unlink(missing_ok=True)
         return None
     return sidecar
+
+
+def check_patches(arrow_path: Path, sidecar: dict) -> None:
+    """An image shard's patch files hold what its sidecar says (one entry per sequence)."""
+    try:
+        mapped = MappedPatches(arrow_path)
+    except DataError as err:
+        raise DamagedShard(f"the image patches of tokenized shard {arrow_path} are damaged: {err}") from None
+    if (len(mapped), len(mapped.grid_thw)) != (sidecar["sequences"], sidecar["images"]):
+        raise DamagedShard(f"the image patches of tokenized shard {arrow_path} are damaged: they hold "
+                           f"{len(mapped)} sequences and {len(mapped.grid_thw)} images, {sidecar['sequences']} and "
+                           f"{sidecar['images']} were written")
 
 
 # ---- who prepares which shards -----------------------------------------------------------
@@ -218,7 +265,7 @@ class Progress:
         self.bar.close()
 
 
-def run_jobs(work, jobs: list, num_proc: int, tokenizer, opts: TokenizeOptions, done) -> None:
+def run_jobs(work, jobs: list, num_proc: int, tokenizer, opts: TokenizeOptions, done, processor=None) -> None:
     """work(job) for every job (a module-level function: workers import it), on `num_proc`
     processes: this one and num_proc - 1 workers of a pool (worker_pool); done(job, result)
     runs here as each finishes. The data stage's shards (LocalRunner) and prepare-data's row
@@ -228,14 +275,14 @@ def run_jobs(work, jobs: list, num_proc: int, tokenizer, opts: TokenizeOptions, 
     and transformers and unpickles the tokenizer: 4-6 s here), which on 2 cores was most of
     what 2 processes gained on the packaged ShareGPT corpus. Each worker is kept one job
     ahead; this process takes the next job whenever none is waiting for it."""
-    init_worker(tokenizer, opts)
+    init_worker(tokenizer, opts, processor)
     workers = min(num_proc, len(jobs)) - 1
     if workers < 1:
         for job in jobs:
             done(job, work(job))
         return
     todo, running = list(reversed(jobs)), []
-    with worker_pool(workers, tokenizer, opts) as pool:
+    with worker_pool(workers, tokenizer, opts, processor) as pool:
         while todo or running:
             for job, result in [r for r in running if r[1].ready()]:
                 running.remove((job, result))
@@ -257,13 +304,14 @@ class LocalRunner:
         self.num_proc = num_proc
 
     def run(self, jobs: list[ShardJob], tokenizer, opts: TokenizeOptions, progress: Progress,
-            between=lambda: None) -> None:
-        """`between()` runs after each finished shard (a team checks the others' progress)."""
+            between=lambda: None, processor=None) -> None:
+        """`between()` runs after each finished shard (a team checks the others' progress);
+        `processor`: a vision-language model's image processor (init_worker)."""
         def done(_job: ShardJob, sidecar: dict) -> None:
             progress.add(sidecar)
             between()
 
-        run_jobs(prepare_shard, jobs, self.num_proc, tokenizer, opts, done)
+        run_jobs(prepare_shard, jobs, self.num_proc, tokenizer, opts, done, processor)
 
 
 @dataclass(frozen=True)
@@ -300,7 +348,8 @@ class TeamRunner:
         message = str(err) if isinstance(err, DataError) else f"{type(err).__name__}: {err}"
         write_atomically(folder / f"rank-{self.team.rank}.txt", lambda tmp: tmp.write_text(message + "\n"))
 
-    def run(self, jobs: list[ShardJob], tokenizer, opts: TokenizeOptions, progress: Progress) -> None:
+    def run(self, jobs: list[ShardJob], tokenizer, opts: TokenizeOptions, progress: Progress,
+            processor=None) -> None:
         store_dir = Path(jobs[0].store_dir)
         mine = [job for job in jobs if job.index % self.team.size == self.team.index]
         theirs = {job.index: job for job in jobs if job.index % self.team.size != self.team.index}
@@ -314,7 +363,7 @@ class TeamRunner:
                     del theirs[index]
 
         try:
-            self.local.run(mine, tokenizer, opts, progress, between=collect_theirs)
+            self.local.run(mine, tokenizer, opts, progress, between=collect_theirs, processor=processor)
         except Exception as err:
             if not isinstance(err, OtherRankFailed):
                 self.report_failure(store_dir, err)
@@ -352,8 +401,10 @@ def summarize(identity: dict, key: str, plan: list[Shard], sidecars: list[dict])
         "tokens": sum(s["tokens"] for s in sidecars),
         "supervised_tokens": sum(s["supervised_tokens"] for s in sidecars),
         "counts": dict(sorted(counts.items())),
-        "shard_files": [{k: s[k] for k in ("sequences", "tokens", "supervised_tokens", "longest", "file_bytes")}
+        "shard_files": [{k: s[k] for k in ("sequences", "tokens", "supervised_tokens", "longest", "file_bytes",
+                                           "images") if k in s}
                         for s in sidecars],
+        **({"images": sum(s["images"] for s in sidecars)} if "image processor sha256" in identity else {}),
     }
 
 
@@ -369,41 +420,48 @@ def is_store(entry: str) -> bool:
 
 def prepared_store(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner=None,
                    shard_mb: float = DEFAULT_SHARD_MB, name: str | None = None, report: bool = False,
-                   bar: bool = False) -> TokenStore:
+                   bar: bool = False, processor=None) -> TokenStore:
     """The token store of one data source: an entry of data.train_files naming a file, folder
     or glob (prepared into data.cache_dir by `runner`, default this process alone, unless
     already complete there), or a folder holding a store prepared before. `report`: this
     process prints what is prepared and what the store holds (one rank does); `bar`: and a
-    progress bar on a terminal."""
+    progress bar on a terminal. `processor`: a vision-language model's image processor; its
+    rows' images go into patch files beside the shards (hpsft/data/patch_store.py)."""
     name = name or Path(entry).name
     if is_store(entry):
         store_dir = Path(entry)
-        manifest = checked_manifest(store_dir, tokenizer, opts)
+        manifest = checked_manifest(store_dir, tokenizer, opts, processor)
         try:
             store = open_store(store_dir, manifest)
         except DamagedShard as err:
             raise DataError(f"{err}: prepare the store again (hpsft prepare-data ... --store)") from None
     else:
-        store_dir, manifest = prepare(entry, tokenizer, opts, cache_dir, runner, shard_mb, name, report, bar)
+        store_dir, manifest = prepare(entry, tokenizer, opts, cache_dir, runner, shard_mb, name, report, bar,
+                                      processor=processor)
         try:
             store = open_store(store_dir, manifest)
         except DamagedShard as err:  # prepared again, shard by shard
             print(f"hpsft: {err}: preparing the damaged shards again", file=sys.stderr, flush=True)
             store_dir, manifest = prepare(entry, tokenizer, opts, cache_dir, runner, shard_mb, name, report, bar,
-                                          check_shards=True)
+                                          check_shards=True, processor=processor)
             store = open_store(store_dir, manifest)
     if report:
         print(f"hpsft: data {name}: {summary_text(manifest)} ({store_dir})", flush=True)
     return store
 
 
-def checked_manifest(store_dir: Path, tokenizer, opts: TokenizeOptions) -> dict:
+def checked_manifest(store_dir: Path, tokenizer, opts: TokenizeOptions, processor=None) -> dict:
     """A prepared store's manifest, if it fits this run: the same tokenizer (vocabulary, special
-    tokens, chat template) and no sequence over data.max_length."""
+    tokens, chat template), the same image processor (or none for both) and no sequence over
+    data.max_length."""
     manifest = json.loads((store_dir / MANIFEST).read_text())
     if manifest.get("format") != STORE_FORMAT:
         raise DataError(f"{store_dir} is a token store of format {manifest.get('format')}, this hpsft reads "
                         f"format {STORE_FORMAT}: prepare it again")
+    if manifest.get("image processor sha256") != processor_identity(processor):
+        kind = "with image patches" if "images" in manifest else "of text only"
+        raise DataError(f"{store_dir} is a token store {kind}, prepared for another image processor than this "
+                        f"{'vision-language' if processor else 'text'} model's: prepare it for this model")
     ours = tokenizer_identity(tokenizer)
     differing = [key for key in ours if manifest["tokenizer"].get(key) != ours[key]]
     if differing:
@@ -428,7 +486,7 @@ def make_cache_folder(folder: Path, cache_dir: str | Path) -> None:
 
 def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path, runner, shard_mb: float,
             name: str, report: bool, bar: bool, check_shards: bool = False,
-            store_dir: Path | None = None) -> tuple[Path, dict]:
+            store_dir: Path | None = None, processor=None) -> tuple[Path, dict]:
     """The store folder of `entry` in cache_dir (or `store_dir`) and its manifest, after
     preparing the shards not complete there. A complete store's shards are checked when it is
     opened, or here with `check_shards`."""
@@ -436,8 +494,10 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
     if opts.chat_template is None and tokenizer.chat_template is None:
         raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no chat template: name one with "
                         "data.chat_template=<Jinja text or .jinja file>")
+    if processor is not None:
+        check_image_tokens(tokenizer)
     shard_bytes = max(1, int(shard_mb * (1 << 20)))
-    identity = store_identity(files, tokenizer, opts, shard_bytes)
+    identity = store_identity(files, tokenizer, opts, shard_bytes, processor)
     key = store_key(identity)
     store_dir = store_dir or Path(cache_dir) / key
     manifest = manifest_of(store_dir, key)
@@ -456,7 +516,7 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
                   f"({len(jobs) - len(missing)} done before) into {store_dir}", flush=True)
         progress = Progress(name, missing, report and bar)
         try:
-            (runner or LocalRunner(1)).run(missing, tokenizer, opts, progress)
+            (runner or LocalRunner(1)).run(missing, tokenizer, opts, progress, processor=processor)
         finally:
             progress.close()
         if report:
@@ -475,9 +535,19 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
     return store_dir, manifest
 
 
+def check_image_tokens(tokenizer) -> None:
+    """A vision-language model's tokenizer writes each image placeholder as one token."""
+    vocabulary = tokenizer.get_vocab()
+    missing = [t for t in (VISION_START, IMAGE_PAD, VISION_END) if t not in vocabulary]
+    if missing:
+        raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no tokens {missing}: image rows need the "
+                        "vision-language model's own tokenizer (its folder's tokenizer files)")
+
+
 def summary_text(manifest: dict) -> str:
     """What a store holds and what the data stage did to get there, in one line."""
     counts = ", ".join(f"{event} {n}" for event, n in manifest["counts"].items())
-    return (f"{manifest['rows']} rows -> {manifest['sequences']} sequences, {manifest['tokens']} tokens "
+    images = f", {manifest['images']} images" if "images" in manifest else ""
+    return (f"{manifest['rows']} rows -> {manifest['sequences']} sequences{images}, {manifest['tokens']} tokens "
             f"({manifest['supervised_tokens']} supervised), {manifest['skipped_rows']} rows skipped"
             + (f"; {counts}" if counts else ""))

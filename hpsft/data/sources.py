@@ -13,6 +13,7 @@ import bisect
 import numpy as np
 import torch
 
+from hpsft.data.batch import IMAGE_FIELDS
 from hpsft.utils.errors import UserInputError
 
 
@@ -40,7 +41,8 @@ class SourcedDataset(torch.utils.data.Dataset):
         source = bisect.bisect_right(self.starts, i) - 1
         item = self.datasets[source][i - self.starts[source]]
         input_ids, loss_mask = self.checked(item, source, i - self.starts[source])
-        return {"input_ids": input_ids, "loss_mask": loss_mask, "index": i, "source": source}
+        images = {key: item[key] for key in IMAGE_FIELDS if key in item}  # a vision-language model's store
+        return {"input_ids": input_ids, "loss_mask": loss_mask, "index": i, "source": source, **images}
 
     def sequence_lengths(self, indices: list[int]) -> np.ndarray:
         """Tokens of each of these samples (for balancing ranks)."""

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from hpsft.data.patch_store import MappedPatches
 from hpsft.data.rows import DataError
 from hpsft.utils.files import file_beside
 
@@ -121,7 +122,9 @@ class DamagedShard(DataError):
 
 
 class TokenStore(torch.utils.data.Dataset):
-    """The sequences of a prepared store, in shard order: item i is {input_ids, loss_mask, index}.
+    """The sequences of a prepared store, in shard order: item i is {input_ids, loss_mask, index},
+    and in a vision-language model's store (summary["images"]) its images' pixel_values
+    [patches, patch_dim] and image_grid_thw [images, 3], read from the shards' patch files.
 
     `shard_files`: the shard files with what their sidecars say they hold. Pickles as its file
     list (a DataLoader worker maps the files again instead of copying the tokens).
@@ -141,6 +144,8 @@ class TokenStore(torch.utils.data.Dataset):
             ids += shard.ids
             masks += shard.masks
         self.offsets, self.ids, self.masks = offsets, ids, masks
+        self.patches = [MappedPatches(path) for path, _ in self.shard_files] if "images" in self.summary else None
+        self.shard_starts = np.cumsum([0] + [expected["sequences"] for _, expected in self.shard_files])
         self.lengths = np.concatenate([np.diff(o) for o in offsets]) if offsets else np.zeros(0, dtype=np.int32)
         sizes = [o.size - 1 for o in offsets]
         self.batch_starts = np.zeros(len(sizes) + 1, dtype=np.int64)
@@ -167,5 +172,11 @@ class TokenStore(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         ids, mask = self.sequence(i)
-        return {"input_ids": torch.from_numpy(ids.astype(np.int64)),
+        item = {"input_ids": torch.from_numpy(ids.astype(np.int64)),
                 "loss_mask": torch.from_numpy(mask.astype(np.bool_)), "index": i}
+        if self.patches is not None:
+            shard = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
+            pixels, grids = self.patches[shard][i - int(self.shard_starts[shard])]
+            item["pixel_values"] = torch.from_numpy(np.array(pixels))  # a copy: the map is read-only
+            item["image_grid_thw"] = torch.from_numpy(np.array(grids))
+        return item

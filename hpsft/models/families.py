@@ -49,7 +49,7 @@ def check_supported(lm: nn.Module, attn_implementation: str) -> None:
     config = lm.config
     if getattr(config, "vision_config", None) is not None:
         refuse(config, "a vision tower", "the text path would drop its images; vision-language models train "
-               "through hpsft/models/packed_vision_lm.py, which the trainer does not run yet")
+               "through hpsft/models/packed_vision_lm.py (the trainer builds it for a vision-language folder)")
     if getattr(config, "is_encoder_decoder", False):
         refuse(config, "is_encoder_decoder=True", "hpsft trains decoder-only causal LMs")
     if getattr(config, "attention_chunk_size", None):

@@ -75,6 +75,33 @@ def resolve_attn_implementation(name: str) -> str:
     return name
 
 
+def is_vision_language_folder(folder, trust_remote_code: bool = False) -> bool:
+    """A model folder whose config has a vision tower (Qwen2-VL, LLaVA...: docs/vision.md)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(folder, trust_remote_code: bool = False):
+    """transformers' auto class that builds the folder's model with its LM head: image-text-to-text
+    for a vision-language model, causal LM for the rest."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language_folder(folder, trust_remote_code) else AutoModelForCausalLM
+
+
+def load_image_processor(path: str, trust_remote_code: bool = False):
+    """The image processor of a vision-language model's folder (its preprocessor_config.json)."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"model.path={path} is a vision-language model without a usable image processor "
+                             f"({str(err).splitlines()[0][:200]}): add its preprocessor_config.json") from None
+
+
 def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkpointing: bool = False,
                    trust_remote_code: bool = False,
                    model_init: Callable[[], AbstractContextManager[bool]] | None = None) -> torch.nn.Module:
@@ -82,17 +109,16 @@ def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkp
     `model_init()` (an engine's TrainEngine.model_init; default: built whole). When that context
     partitions the model across the ranks as it is built (ZeRO-3), the weights are loaded after it
     one tensor at a time (see partitioned.py)."""
-    from transformers import AutoModelForCausalLM
-
     attn_implementation = resolve_attn_implementation(attn_implementation)
     folder = check_model_path(path, trust_remote_code)
+    model_class = auto_model_class(folder, trust_remote_code)
     with (model_init or (lambda: contextlib.nullcontext(False)))() as partitioned:
         if partitioned:
             from hpsft.models.partitioned import empty_causal_lm
 
-            model = empty_causal_lm(folder, attn_implementation, trust_remote_code)
+            model = empty_causal_lm(folder, attn_implementation, trust_remote_code, model_class)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = model_class.from_pretrained(
                 folder, dtype=torch.float32, attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code,
             )
@@ -100,6 +126,9 @@ def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkp
         from hpsft.models.partitioned import load_weights_partitioned
 
         load_weights_partitioned(model, folder)
+    if getattr(model.config, "vision_config", None) is not None:
+        # The tower attends within each image (not causal): its own sdpa, the decoder the varlen kernel.
+        model.set_attn_implementation({"text_config": attn_implementation, "vision_config": "sdpa"})
     model.config.use_cache = False  # a KV cache is useless in training and breaks packing (see PackedCausalLM)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -35,7 +35,7 @@ varlen cross-entropy on the assistant tokens (no logits built).
 freeze_vision=True freezes the vision tower and its projector (Qwen2-VL's `visual`, whose
 merger is the projector; LLaVA's vision_tower and multi_modal_projector): no gradient reaches
 them and they run without autograd.
-Not yet: sequence parallelism (a slice of the row would cut images apart); the trainer.
+Not yet: sequence parallelism (a slice of the row would cut images apart); ZeRO-3 (docs/vision.md).
 """
 
 import torch

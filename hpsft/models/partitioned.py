@@ -71,7 +71,7 @@ def release_freed_memory() -> None:
         ctypes.CDLL(libc).malloc_trim(0)
 
 
-def empty_causal_lm(folder: Path, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
+def empty_causal_lm(folder: Path, attn_implementation: str, trust_remote_code: bool, model_class=None) -> nn.Module:
     """The model of `folder` in fp32 with its weights not initialised, to be built inside the
     engine's model_init() (deepspeed.zero.Init, with the config the engine then runs), which
     partitions it as it is built; load_weights_partitioned then fills it."""
@@ -82,8 +82,8 @@ def empty_causal_lm(folder: Path, attn_implementation: str, trust_remote_code: b
     # What transformers' own ZeRO-3 build does, without its random initialisation of every
     # weight (a gather per module), since every weight is loaded next.
     with no_init_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
-                                                trust_remote_code=trust_remote_code)
+        return (model_class or AutoModelForCausalLM).from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
 
 
 def is_partitioned(lm: nn.Module) -> bool:

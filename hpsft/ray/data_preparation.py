@@ -10,8 +10,8 @@ from hpsft.data.preparation import ShardJob, init_worker, prepare_shard
 from hpsft.data.rows import DataError
 
 
-def prepare_shard_task(job: ShardJob, tokenizer, opts) -> dict:
-    init_worker(tokenizer, opts)
+def prepare_shard_task(job: ShardJob, tokenizer, opts, processor=None) -> dict:
+    init_worker(tokenizer, opts, processor)
     return prepare_shard(job)
 
 
@@ -19,9 +19,9 @@ class RayTaskRunner:
     def __init__(self, cpus_per_task: float = 1.0):
         self.task = ray.remote(num_cpus=cpus_per_task, max_retries=0)(prepare_shard_task)
 
-    def run(self, jobs: list[ShardJob], tokenizer, opts, progress) -> None:
+    def run(self, jobs: list[ShardJob], tokenizer, opts, progress, processor=None) -> None:
         tokenizer_ref = ray.put(tokenizer)
-        pending = [self.task.remote(job, tokenizer_ref, opts) for job in jobs]
+        pending = [self.task.remote(job, tokenizer_ref, opts, processor) for job in jobs]
         try:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)

@@ -24,6 +24,7 @@ from hpsft.data.sources import SourcedDataset
 from hpsft.engine import engine_class
 from hpsft.utils.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
+from hpsft.models.loading import is_vision_language_folder, load_image_processor
 from hpsft.utils.progress import progress_bar, step_postfix
 from hpsft.trainer.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
@@ -38,10 +39,11 @@ from hpsft.workers.step_result import StepResult
 
 
 def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = False,
-                  bar: bool = False) -> SourcedDataset:
+                  bar: bool = False, processor=None) -> SourcedDataset:
     """One dataset per source (DataSource), seen as one. Built-in: each source's token store,
     prepared by `runner` where it is not complete yet (hpsft/data/preparation.py); `report`:
-    this process prints what is prepared, with a progress bar if `bar`. A custom class
+    this process prints what is prepared, with a progress bar if `bar`; `processor`: a
+    vision-language model's image processor (its rows' images go into the store too). A custom class
     (data.custom_cls) is built on every rank from its source's path."""
     custom = data_config.custom_cls
     if custom.path is not None:
@@ -51,8 +53,24 @@ def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = F
                               f"class {custom.name} of {custom.path}")
     opts = TokenizeOptions.from_data_config(data_config)
     stores = [prepared_store(s.path, tokenizer, opts, data_config.cache_dir, runner, data_config.shard_mb, s.name,
-                             report, bar) for s in sources]
+                             report, bar, processor) for s in sources]
     return SourcedDataset(stores, [s.name for s in sources], data_config.max_length, "built-in dataset")
+
+
+def check_vision_layout(config: SFTConfig) -> None:
+    """What a vision-language model does not train under yet (docs/vision.md), refused by name."""
+    engine = config.engine
+    refused = [(engine.name != "deepspeed", f"engine.name={engine.name}", "engine.name=deepspeed"),
+               (engine.zero_stage == 3, "engine.zero_stage=3", "engine.zero_stage=0, 1 or 2"),
+               (engine.sequence_parallel_size > 1, f"engine.sequence_parallel_size={engine.sequence_parallel_size}",
+                "engine.sequence_parallel_size=1"),
+               (engine.tensor_parallel_size > 1, f"engine.tensor_parallel_size={engine.tensor_parallel_size}",
+                "engine.tensor_parallel_size=1"),
+               (config.model.lora.rank > 0, "model.lora.rank > 0", "full fine-tuning (model.lora.rank=0)")]
+    for bad, setting, instead in refused:
+        if bad:
+            raise UserInputError(f"model.path={config.model.path} is a vision-language model, which hpsft does not "
+                                 f"train with {setting} yet (docs/vision.md): use {instead}")
 
 
 class SFTTrainer:
@@ -89,8 +107,13 @@ class SFTTrainer:
             self.tokenizer.chat_template = chat_template_text(data.chat_template)
         runner = self.build_data_runner() if data.custom_cls.path is None else None
         report, bar = self.rank == 0, config.trainer.progress_bar
-        self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data, runner, report, bar)
-        self.val_dataset = (build_dataset(data.val_sources(), self.tokenizer, data, runner, report, bar)
+        model = config.model
+        processor = None
+        if is_vision_language_folder(model.path, model.trust_remote_code):
+            check_vision_layout(config)  # before the data stage: a refusal costs nothing yet
+            processor = load_image_processor(model.path, model.trust_remote_code)
+        self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data, runner, report, bar, processor)
+        self.val_dataset = (build_dataset(data.val_sources(), self.tokenizer, data, runner, report, bar, processor)
                             if data.val_files else None)
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()

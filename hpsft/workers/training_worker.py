@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from hpsft.utils import distributed
+from hpsft.utils.errors import UserInputError
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.device_feed import DeviceFeed, device_feed, pinned
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
@@ -31,6 +32,7 @@ from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verif
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
 from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
 from hpsft.models.qlora import quantize_base_layers
+from hpsft.models.packed_vision_lm import PackedVisionLM, check_vision_supported, is_vision_language
 from hpsft.models.partitioned import is_partitioned
 from hpsft.models.tensor_parallel import check_tensor_parallel
 from hpsft.models.tiled_mlp import tile_mlps
@@ -73,12 +75,20 @@ class TrainingWorker(Worker):
         # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of it.
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
                             model_init=self.engine.model_init)
-        check_supported(lm, lm.config._attn_implementation)
+        vision = is_vision_language(lm)
+        text_config = lm.config.get_text_config()  # a vision-language model's decoder's (else the model's own)
+        if vision:
+            check_vision_supported(lm)
+        else:
+            check_supported(lm, lm.config._attn_implementation)
+            if cfg.freeze_vision:
+                raise UserInputError(f"model.freeze_vision=true: {cfg.path} has no vision tower to freeze; "
+                                     "remove model.freeze_vision")
         # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
         # those are checked once the engine has moved (and cast) the weights; every other model
         # here, in fp32 before DeepSpeed casts the weights for bf16 (a tighter tolerance).
         # hpsft_varlen on a GPU runs torch's varlen flash kernel only in 16-bit: checked in the engine too.
-        attention = lm.config._attn_implementation
+        attention = lm.get_decoder().config._attn_implementation
         verify_in_engine = is_partitioned(lm) or attention == "flash_attention_2" or (
             attention == ATTN_IMPLEMENTATION and torch.cuda.is_available())
         if torch.cuda.is_available():
@@ -86,9 +96,9 @@ class TrainingWorker(Worker):
             # an H200, measured): packed rows change shape every step. Flash/efficient instead.
             torch.backends.cuda.enable_cudnn_sdp(False)
         mesh = self.mesh
-        check_tensor_parallel(lm.config, mesh.tp_size)  # before DeepSpeed: a refusal costs nothing yet
-        check_heads(lm.config, mesh.sp_size, mesh.tp_size)
-        if not verify_in_engine:
+        check_tensor_parallel(text_config, mesh.tp_size)  # before DeepSpeed: a refusal costs nothing yet
+        check_heads(text_config, mesh.sp_size, mesh.tp_size)
+        if not verify_in_engine and not vision:  # a vision model's packed path: tests/test_vision_lm.py
             verify_packed_training(lm)
         if cfg.lora.rank:
             # After the packed-path check of the base model: the adapters start at B = 0, so the
@@ -100,13 +110,16 @@ class TrainingWorker(Worker):
             if distributed.rank() == 0:
                 print(f"hpsft: {describe(lm)}", flush=True)
         self.body_params, self.head_params = flop_counts(lm)  # frozen weights count less (no weight gradient)
-        self.n_layers, self.hidden_size = lm.config.num_hidden_layers, lm.config.hidden_size
+        self.n_layers, self.hidden_size = text_config.num_hidden_layers, text_config.hidden_size
         loss = self.loss_config
-        packed = PackedCausalLM(lm, loss.backend, loss.z_loss_weight, loss.label_smoothing, loss.token_accuracy)
+        loss_options = dict(loss_backend=loss.backend, z_loss_weight=loss.z_loss_weight,
+                            label_smoothing=loss.label_smoothing, token_accuracy=loss.token_accuracy)
+        packed = (PackedVisionLM(lm, freeze_vision=cfg.freeze_vision, **loss_options) if vision
+                  else PackedCausalLM(lm, **loss_options))
         self.engine.initialize(packed, head_weight=packed.head_weight)  # under TP, AutoTP shards the layers here
         self.lm = lm
         self.feed = device_feed(self.engine.device)
-        if verify_in_engine:  # in the engine's dtype, with that dtype's tolerance
+        if verify_in_engine and not vision:  # in the engine's dtype, with that dtype's tolerance
             verify_packed_training(lm, gathered=self.engine.gathered)
         if cfg.tiled_mlp_tokens is not None:  # after the checks above, which compare with the untiled model
             tile_mlps(lm, cfg.tiled_mlp_tokens)
@@ -116,7 +129,7 @@ class TrainingWorker(Worker):
         dtype = torch.bfloat16 if self.engine_config.dtype == "bfloat16" else torch.float32
         rows = min(self.data_config.max_tokens_per_micro_batch or 2048, 4096)
         self.peak = device_peak(self.peak_flops_per_device, self.engine.device, dtype,
-                                (rows, lm.config.hidden_size, lm.config.intermediate_size))
+                                (rows, text_config.hidden_size, text_config.intermediate_size))
         if distributed.rank() == 0:
             print(f"hpsft: MFU peak per device: {self.peak.source}", flush=True)
 

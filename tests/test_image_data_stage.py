@@ -1,0 +1,338 @@
+"""Vision-language SFT through the data stage and the trainer (docs/vision.md): image chat rows on
+real photographs (scikit-image's) -> tokens in the token store and patches memory-mapped beside
+them (hpsft/data/image_sequences.py, preparation.py with an image processor), prepared in
+parallel and by a team of ranks as one process would, resumed by shard, a missing image refused
+naming its file and row; store sequences collated and packed as the model's own forward sees
+them; `hpsft train` at DP=2 == one process, a frozen tower unchanged; `hpsft inspect-data`
+showing where each image's tokens go."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hpsft.data.image_rows import IMAGE_PAD, VISION_END, VISION_START
+from hpsft.data.preparation import LocalRunner, prepared_store
+from hpsft.data.rows import DataError
+from hpsft.data.shards import plan_shards
+from tests.conftest import REPO, TEST_MODEL, train_env, write_jsonl
+from tests.test_data_stage import options
+
+PHOTOS = {"astronaut.jpg": ("astronaut", (112, 84)), "coffee.png": ("coffee", (140, 112)),
+          "chelsea.jpg": ("chelsea", (56, 84)), "camera.png": ("camera", (84, 84))}
+
+
+def image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+
+
+@pytest.fixture(scope="module")
+def vl_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tests.test_vision_lm import IMAGE_TOKENS  # those three and the ones tiny_qwen2_vl's config names
+
+    tok = AutoTokenizer.from_pretrained(TEST_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    assert {VISION_START, IMAGE_PAD, VISION_END} <= set(IMAGE_TOKENS)
+    return tok
+
+
+def image_rows(n: int, last_image: str = "camera.png") -> list[dict]:
+    """n rows cycling through OpenAI content parts (two images), LLaVA `<image>` + images (one),
+    and text only; the last row shows `last_image`."""
+    shapes = [
+        lambda k: {"messages": [{"role": "user", "content": [
+            {"type": "image", "image": "imgs/astronaut.jpg"}, {"type": "text", "text": f"and {k}"},
+            {"type": "image_url", "image_url": {"url": "imgs/coffee.png"}}, {"type": "text", "text": "what?"}]},
+            {"role": "assistant", "content": f"An astronaut and a coffee, number {k}."}]},
+        lambda k: {"conversations": [{"from": "human", "value": f"<image>\nWhat animal is this ({k})?"},
+                                     {"from": "gpt", "value": "A cat, sitting." * (k % 3 + 1)}],
+                   "images": ["imgs/chelsea.jpg"]},
+        lambda k: {"messages": [{"role": "user", "content": f"Say hello {k} times."},
+                                {"role": "assistant", "content": "hello " * k}]},
+    ]
+    rows = [shapes[k % 3](k) for k in range(n)]
+    rows[-1] = {"messages": [{"role": "user", "content": [{"type": "image", "image": f"imgs/{last_image}"},
+                                                          {"type": "text", "text": "What is this?"}]},
+                             {"role": "assistant", "content": "A photographer with a camera."}]}
+    return rows
+
+
+@pytest.fixture
+def image_data(tmp_path) -> Path:
+    """18 image rows in tmp_path/data/train.jsonl, their photographs in tmp_path/data/imgs."""
+    from skimage import data as photos
+
+    (tmp_path / "data" / "imgs").mkdir(parents=True)
+    for name, (photo, size) in PHOTOS.items():
+        image = Image.fromarray(getattr(photos, photo)()).convert("RGB").resize(size)
+        image.save(tmp_path / "data" / "imgs" / name)
+    return Path(write_jsonl(image_rows(18), tmp_path / "data" / "train.jsonl"))
+
+
+def store_items(store) -> list[dict]:
+    return [{key: value.tolist() if hasattr(value, "tolist") else value for key, value in store[i].items()}
+            for i in range(len(store))]
+
+
+def test_image_rows_prepared_in_parallel_equal_one_process_and_the_processor(image_data, tmp_path, vl_tokenizer):
+    """18 image rows (two images, one image, text only) prepared as one shard here and as ~6 shards
+    over 2 worker processes: the same tokens, masks, patches and grids per sequence. Each
+    sequence's patches equal the processor's own call on its row's images in order (exact), and its
+    input_ids hold t*h*w/4 image tokens per image, none under the loss mask. Planted bug: TokenStore.__getitem__ reads the patches of the next
+    sequence of its shard -> the 1-shard and 5-shard stores' items differed (assert store_items(one)
+    == store_items(many) failed)."""
+    processor = image_processor()
+    opts = options()
+    one = prepared_store(str(image_data), vl_tokenizer, opts, tmp_path / "one", LocalRunner(1), shard_mb=64,
+                         processor=processor)
+    many = prepared_store(str(image_data), vl_tokenizer, opts, tmp_path / "many", LocalRunner(2),
+                          shard_mb=image_data.stat().st_size / 6 / 2**20, processor=processor)
+    assert len(many.summary["shards"]) >= 5 and many.summary["images"] == one.summary["images"] == 19
+    assert store_items(one) == store_items(many)
+    assert isinstance(many.patches[0].pixels, np.memmap)
+    pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    rows = image_rows(18)
+    for i, row in enumerate(rows):
+        item = one[i]
+        names = [part.get("image") or part.get("image_url", {}).get("url") for m in row.get("messages", [])
+                 if isinstance(m["content"], list) for part in m["content"] if part["type"] != "text"]
+        names += row.get("images", [])
+        if not names:
+            assert item["pixel_values"].shape[0] == 0 and item["image_grid_thw"].shape[0] == 0
+            continue
+        own = [processor(images=Image.open(image_data.parent / name).convert("RGB"), return_tensors="np")
+               for name in names]
+        np.testing.assert_array_equal(item["pixel_values"].numpy(),
+                                      np.concatenate([o["pixel_values"] for o in own]))
+        np.testing.assert_array_equal(item["image_grid_thw"].numpy(),
+                                      np.concatenate([o["image_grid_thw"] for o in own]))
+        ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+        assert ids.count(pad) == sum(int(o["image_grid_thw"].prod()) // 4 for o in own)
+        assert not any(m for t, m in zip(ids, mask) if t == pad)
+    # The token budget counts the image tokens: the store's lengths include them.
+    assert one.lengths.tolist() == [len(item["input_ids"]) for item in store_items(one)]
+
+
+TEAM_SCRIPT = """
+import sys
+from transformers import AutoTokenizer
+from hpsft.data.preparation import Team, TeamRunner, prepared_store
+from tests.test_data_stage import options
+from tests.test_image_data_stage import image_processor
+
+if __name__ == "__main__":
+    path, cache, shard_mb, tokenizer_dir, rank = sys.argv[1:6]
+    runner = TeamRunner(Team(int(rank), int(rank), 2, "attempt-1"), 1)
+    prepared_store(path, AutoTokenizer.from_pretrained(tokenizer_dir), options(), cache, runner,
+                   shard_mb=float(shard_mb), processor=image_processor())
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_preparing_image_rows_together_equal_one_process(image_data, tmp_path, vl_tokenizer):
+    """Two ranks (processes) of a team sharing the cache folder split ~6 shards of image rows: each
+    shard's Arrow, patch and index files are byte-identical to one process's preparation. Planted
+    bug: TeamRunner.run not handing the processor to its local runner (the rank's shards prepared
+    as text) -> the ranks exited non-zero, a traceback from prepare()."""
+    shard_mb = image_data.stat().st_size / 6 / 2**20
+    vl_tokenizer.save_pretrained(tmp_path / "tok")
+    ranks = [subprocess.Popen([sys.executable, "-c", TEAM_SCRIPT, str(image_data), str(tmp_path / "team"),
+                               str(shard_mb), str(tmp_path / "tok"), str(rank)], cwd=REPO, env=train_env(),
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "one", LocalRunner(1), shard_mb=shard_mb,
+                   processor=image_processor())
+    (team_dir,), (one_dir,) = list((tmp_path / "team").iterdir()), list((tmp_path / "one").iterdir())
+    assert team_dir.name == one_dir.name
+    files = sorted(p.name for p in one_dir.glob("shard-*") if not p.name.endswith(".json"))
+    assert len(files) >= 15  # >= 5 shards x (arrow, patches, index)
+    for name in files:
+        assert (team_dir / name).read_bytes() == (one_dir / name).read_bytes(), name
+
+
+def test_a_missing_image_is_refused_by_row_and_the_preparation_resumes_by_shard(image_data, tmp_path, vl_tokenizer,
+                                                                                capsys):
+    """The last row's image is missing: preparation stops naming the data file, the row and the
+    image, after the shards before it are complete. With the image added, the rerun prepares only
+    the last shard and shard 0, whose patch files were deleted, and every shard's token, patch and
+    index files are byte-identical to a preparation that was never interrupted. Planted bug:
+    completed_sidecar not checking the patch files -> the rerun took shard 0 as done and failed
+    opening the store (DataError "the image patches of .../shard-00000.arrow are missing")."""
+    write_jsonl(image_rows(18, last_image="later.png"), image_data)
+    shard_mb = image_data.stat().st_size / 6 / 2**20
+    n = len(plan_shards([image_data], int(shard_mb * 2**20)))
+    cache, processor = tmp_path / "cache", image_processor()
+    with pytest.raises(DataError, match=rf"{image_data} row 17: image 'imgs/later.png' not found"):
+        prepared_store(str(image_data), vl_tokenizer, options(), cache, LocalRunner(1), shard_mb=shard_mb,
+                       processor=processor)
+    (store_dir,) = list(cache.iterdir())
+    assert len(list(store_dir.glob("shard-*.json"))) == n - 1
+    for suffix in (".patches", ".patches.npz"):  # shard 0's patches lost: shard 0 prepared again too
+        (store_dir / f"shard-00000.arrow{suffix}").unlink()
+    (image_data.parent / "imgs" / "camera.png").rename(image_data.parent / "imgs" / "later.png")
+    capsys.readouterr()
+    prepared_store(str(image_data), vl_tokenizer, options(), cache, LocalRunner(1), shard_mb=shard_mb,
+                   processor=processor, report=True)
+    assert f"2 of {n} shards to tokenize ({n - 2} done before)" in capsys.readouterr().out
+    straight = tmp_path / "straight"
+    prepared_store(str(image_data), vl_tokenizer, options(), straight, LocalRunner(1), shard_mb=shard_mb,
+                   processor=processor)
+    (straight_dir,) = list(straight.iterdir())
+    assert straight_dir.name == store_dir.name
+    files = sorted(p.name for p in straight_dir.glob("shard-*") if not p.name.endswith(".json"))
+    assert len(files) == 3 * n
+    for name in files:
+        assert (store_dir / name).read_bytes() == (straight_dir / name).read_bytes(), name
+
+
+def test_selected_store_sequences_pack_into_a_row_the_models_own_forward_agrees_with(image_data, tmp_path,
+                                                                                      vl_tokenizer):
+    """Store sequences collated (collate_jagged), a micro-batch selected out of order (select, as the
+    worker's bins do: a one-image chat, a text-only one, a two-image chat, the last row's photo) and
+    packed (packed_row): a tiny Qwen2-VL's PackedVisionLM loss and unclipped grad norm on that row
+    equal the model's own Hugging Face forward run on each of those store items alone (fp32, 1e-5
+    relative). Measured: loss 10.830143 (rel 0.0), grad norm 3.18304945 vs 3.18304956 (rel 3.4e-08).
+    Planted bug: collate_jagged's image offsets rotated by one sequence (each sequence given its
+    neighbour's grids) -> PackedVisionLM refused the row (ValueError "sequence 0 has 6 image
+    placeholder tokens, which are not the tokens of whole images 0.. of the row")."""
+    import torch
+
+    from hpsft.data.batch import collate_jagged, packed_row, select
+    from tests.test_vision_lm import own_forward_loss, packed_loss, tiny_qwen2_vl
+
+    store = prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "cache", LocalRunner(1),
+                           processor=image_processor())
+    batch = collate_jagged([store[i] for i in range(len(store))])
+    chosen = [4, 2, 0, len(store) - 1]
+    row = packed_row(select(batch, chosen))
+    conversations = []
+    for i in chosen:
+        item = store[i]
+        has_images = item["image_grid_thw"].shape[0] > 0
+        conversations.append({"input_ids": item["input_ids"], "loss_mask": item["loss_mask"],
+                              "pixel_values": item["pixel_values"] if has_images else None,
+                              "image_grid_thw": item["image_grid_thw"] if has_images else None})
+    assert [c["image_grid_thw"] is None for c in conversations] == [False, True, False, False]
+    lm = tiny_qwen2_vl(vl_tokenizer)
+    ref_loss, ref_norm = own_forward_loss(lm, conversations)
+    loss, norm, _ = packed_loss(lm, row)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
+    assert torch.equal(row["image_grid_thw"], torch.cat([c["image_grid_thw"] for c in conversations
+                                                         if c["image_grid_thw"] is not None]))
+
+
+def tiny_vl_folder(folder: Path, tokenizer) -> str:
+    """A 2-layer Qwen2-VL (tests/test_vision_lm.py's tiny_qwen2_vl) saved with its tokenizer and
+    image processor: the model folder `hpsft train` takes."""
+    from tests.test_vision_lm import tiny_qwen2_vl
+
+    tiny_qwen2_vl(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor().save_pretrained(folder)
+    return str(folder)
+
+
+def vl_overrides(model, train, run_dir, **extra) -> list[str]:
+    from tests.conftest import base_overrides
+
+    return base_overrides(model, train, None, run_dir, **{
+        "data.train_batch_size": 6, "data.micro_batch_size_per_gpu": 3, "trainer.total_steps": 2,
+        "optim.grad_clip": 0.0, "trainer.save_every": 0, "trainer.export_hf": "false", **extra})
+
+
+def step_figures(run_dir) -> list[tuple[float, float]]:
+    from tests.conftest import read_metrics
+
+    return [(m["train/loss"], m["train/grad_norm"]) for m in read_metrics(run_dir) if "train/loss" in m]
+
+
+def parameters_of(folder: Path) -> dict:
+    """The parameters of the model a folder holds, loaded by transformers, by their names."""
+    from transformers import AutoModelForImageTextToText
+
+    return {name: p.detach() for name, p in AutoModelForImageTextToText.from_pretrained(folder).named_parameters()}
+
+
+@pytest.mark.slow
+def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_stays(image_data, tmp_path,
+                                                                                   vl_tokenizer):
+    """`hpsft train` on the image rows with a tiny Qwen2-VL folder (2 steps of 6 sequences, 3 per
+    micro-batch, the ranks' micro-batches with and without images): 2 ranks under ZeRO-2 give each
+    step's loss and unclipped grad norm of one process (fp32, <= 1e-5 relative). With
+    model.freeze_vision=true the exported vision tower (and its merger) is bit-identical to the
+    folder's while the decoder moved. ZeRO-3 is refused naming engine.zero_stage before any data is
+    prepared. Measured: losses 10.7837284 / 10.4840388 (one process) vs 10.7837288 / 10.4840393,
+    grad norms 4.86445379 / 2.93442845 vs 4.86445379 / 2.93442893 (rel <= 1.6e-7). Planted bugs:
+    - SourcedDataset.__getitem__ dropping the store items' images (as it did before this change)
+      -> the one-process run failed (ValueError "sequence 0 has 24 image placeholder tokens, which
+      are not the tokens of whole images 0.. of the row (tokens per image [])");
+    - the worker building PackedVisionLM with freeze_vision=False whatever the config -> the
+      tower-unchanged assertion failed (the exported tower's weights had moved)."""
+    from tests.conftest import assert_ok, rel_diff, run_cli
+
+    model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
+    runs = {"one": (1, {}), "zero2": (2, {}), "frozen": (1, {"model.freeze_vision": "true",
+                                                             "trainer.export_hf": "true"})}
+    for name, (nproc, extra) in runs.items():
+        assert_ok(run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / name,
+                                                      **{"engine.zero_stage": 2, **extra}), nproc=nproc))
+    reference = step_figures(tmp_path / "one")
+    assert len(reference) == 2
+    for (loss, norm), (ref_loss, ref_norm) in zip(step_figures(tmp_path / "zero2"), reference, strict=True):
+        assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, (loss, norm, ref_loss, ref_norm)
+    before, after = parameters_of(Path(model)), parameters_of(tmp_path / "frozen" / "hf")  # the export loads
+    tower = [name for name in before if ".visual." in name]
+    assert tower and set(before) == set(after)
+    assert all(torch_equal(before[name], after[name]) for name in tower)
+    decoder = [name for name in before if "language_model.layers.0.mlp" in name]
+    assert decoder and not any(torch_equal(before[name], after[name]) for name in decoder)
+    refused = run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / "zero3", **{"engine.zero_stage": 3}))
+    assert refused.returncode != 0 and "does not train with engine.zero_stage=3 yet" in refused.stderr, \
+        refused.stderr[-2000:]
+    assert not (tmp_path / "zero3").exists()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_inspect_data_shows_where_each_images_tokens_go(image_data, tmp_path, vl_tokenizer, capsys):
+    """hpsft inspect-data with a vision-language model folder: for each shown sequence, each image's
+    grid (the processor's own, on that photograph) and its run of image tokens, at the positions
+    the data stage's store holds them (the store's input_ids, searched independently); the pads
+    written once with their count. Planted bug: image_token_lines printing each run from the token
+    after its start (begin + 1) -> the line "image 1: grid 1x6x8 patches -> tokens 25-36" of row
+    0 was not in the output (26-36 printed)."""
+    from hpsft.commands.inspect_data import main
+
+    model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
+    processor = image_processor()
+    store = prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "cache", LocalRunner(1),
+                           processor=processor)
+    assert main([f"model.path={model}", f"data.train_files=[{image_data}]", "data.max_length=1024",
+                 "--rows", "2", "--color", "never", "--stats-rows", "2"]) == 0
+    out = capsys.readouterr().out
+    pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    for row, names in ((0, ["astronaut.jpg", "coffee.png"]), (1, ["chelsea.jpg"])):
+        ids = store[row]["input_ids"].tolist()
+        starts = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
+        for k, (name, start) in enumerate(zip(names, starts, strict=True)):
+            grid = processor(images=Image.open(image_data.parent / "imgs" / name).convert("RGB"),
+                             return_tensors="np")["image_grid_thw"][0]
+            n = int(grid.prod()) // 4
+            assert ids[start:start + n] == [pad] * n
+            line = (f"  image {k + 1}: grid {grid[0]}x{grid[1]}x{grid[2]} patches -> tokens {start}-{start + n - 1} "
+                    f"({n} image tokens")
+            assert line in out, (line, out[-3000:])
+        assert f"{IMAGE_PAD}x{int(store[row]['image_grid_thw'][0].prod()) // 4}" in out
