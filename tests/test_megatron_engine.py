@@ -4,8 +4,8 @@ norm) at TP=2 and the tiny Mixtral (router loss on) at EP=2 x DP=2 (one 2-rank l
 Llama at TP=2 x PP=2 and DP=2 x TP=2 (one 4-rank launch), each against the fp64 plain-torch reference: the unclipped gradient norms,
 the clip, the non-finite step skipped without moving the schedule, warmup then cosine, AdamW
 without decay on 1-D weights, the whole Hugging Face weights gathered after the steps, and the
-per-rank checkpoint resuming into the same steps, at its own layout and (TP=2 x PP=2's) at TP=1
-and DP=2 x TP=2. And what the engine's config refuses."""
+per-rank checkpoint resuming into the same steps, at its own layout, (TP=2 x PP=2's) at TP=1
+and DP=2 x TP=2, and (Mixtral EP=2's, fp32 and bf16) at EP=1. And what the engine's config refuses."""
 
 import subprocess
 from functools import partial
@@ -29,12 +29,17 @@ from tests.test_spmd_training import max_rel_weight_diff, weights
 
 pytest.importorskip("megatron.core")
 
+# Mixtral's EP=2 x DP=2 checkpoint is resumed at EP=1 x DP=2 (each rank all 4 experts; TP > 1
+# with MoE is refused: architecture.check_layout) in the same launch, in fp32 (mixtral_ep2) and in
+# bf16 (MIXTRAL_BF16), checked by test_megatron_moe_checkpoint_resumes_at_other_layouts.
+EP2, EP1 = "megatron:expert_parallel_size=2", "megatron:expert_parallel_size=1"
+MIXTRAL_BF16 = f"{EP2},dtype=bfloat16>{EP1},dtype=bfloat16"
 # name: (model, layout, its data-parallel size); one 2-rank launch runs them all.
 TWO_RANKS = {"dp2": ("llama", "megatron:tensor_parallel_size=1", 2),
              "tp2": ("llama", "megatron:tensor_parallel_size=2", 1),
              "pp2": ("llama", "megatron:pipeline_parallel_size=2", 1),
              "qwen3_tp2": ("qwen3", "megatron:tensor_parallel_size=2", 1),
-             "mixtral_ep2": ("mixtral", "megatron:expert_parallel_size=2", 2)}
+             "mixtral_ep2": ("mixtral", f"{EP2}>{EP1}", 2)}
 # The 2-layer tiny Llama of the ZeRO tests; the tiny Qwen3 (q/k norm) and Mixtral (4 experts,
 # top 2, the router loss on at coefficient 0.1) of tests/megatron_models.py.
 WRITERS = {"llama": write_tiny_llama, "qwen3": partial(write_hf_model, "qwen3"),
@@ -45,6 +50,7 @@ WRITERS = {"llama": write_tiny_llama, "qwen3": partial(write_hf_model, "qwen3"),
 def two_rank_runs(tmp_path_factory):
     models = {model: (WRITERS[model], [layout for m, layout, _ in TWO_RANKS.values() if m == model])
               for model in WRITERS}
+    models["mixtral"][1].append(MIXTRAL_BF16)
     return run_models(tmp_path_factory.mktemp("megatron_two_ranks"), models, nproc=2)
 
 
@@ -109,22 +115,71 @@ def test_megatron_checkpoint_resumes_at_other_layouts(four_rank_runs, tmp_path):
     6.264620 (4.9e-4); each writing TP rank's moments put at the other TP rank's place 6.264251
     (4.3e-4); Adam's step count reset to 0 6.268957 (1.2e-3)."""
     straight = four_rank_runs[FOUR_RANKS["tp2_pp2"][0]]
-    reference = four_rank_runs["reference"]
+    resumed = {"tp1": resumed_in_one_process(straight, tmp_path), "dp2_tp2": straight["resumed_at"][DP2_TP2]}
+    for name, run in resumed.items():
+        assert_resumed_continues(run, straight, four_rank_runs["reference"], f"megatron tp2_pp2 resumed at {name}")
+
+
+def resumed_in_one_process(straight: dict, tmp_path) -> dict:
+    """The straight run's checkpoint resumed at TP=1 x PP=1 x EP=1 in a 1-rank launch of its own."""
     out = tmp_path / "tp1.pt"
     proc = run_cli(None, [str(out), straight["checkpoint"], "--resume", straight["model"],
                           "megatron:tensor_parallel_size=1"], nproc=1,
                    script=str(REPO / "tests" / "dist_scripts" / "step_claims.py"))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    resumed = {"tp1": torch.load(out), "dp2_tp2": straight["resumed_at"][DP2_TP2]}
+    return torch.load(out)
+
+
+def assert_resumed_continues(run: dict, straight: dict, reference: dict, what: str) -> None:
+    """Steps 4-5 of a resumed run: the straight run's losses (RESUMED_LOSS_RTOL), the fp64
+    reference's unclipped grad norms (NORM_RTOL) and weights after step 5 (WEIGHT_RTOL), the
+    straight run's rates."""
+    for step, (loss, expected) in enumerate(zip(run["losses"], straight["losses"][SAVED_AFTER:], strict=True)):
+        assert rel_diff(loss, expected) <= RESUMED_LOSS_RTOL, f"{what}: step {SAVED_AFTER + step} loss {loss} vs {expected}"
+    assert_norms(run["grad_norms"], reference["grad_norms"][SAVED_AFTER:], what)
+    assert run["lrs"] == straight["lrs"][SAVED_AFTER:] and run["global_steps"] == 5, what
+    error = relative_error(run["weights"], reference["weights"])
+    assert error < WEIGHT_RTOL, f"{what}: weights after step 5 {error:.2e} from the fp64 reference"
+
+
+# bf16's relative rounding step (8 significant bits). Resumed at another layout, a master that
+# fp32 rounding moves across a bf16 rounding boundary flips its bf16 weight by one step: the
+# steps after the first resumed one, and the weights, differ from the straight run's by such
+# flips (at most 2^-8 of the whole model if every element flipped).
+BF16_STEP = 2.0**-8
+
+
+@pytest.mark.slow
+def test_megatron_moe_checkpoint_resumes_at_other_layouts(two_rank_runs, tmp_path):
+    """The tiny Mixtral (4 experts, top 2, router loss 0.1) at EP=2 x DP=2 (experts 0-1 on rank
+    0, 2-3 on rank 1), its checkpoint after step 3 resumed at EP=1 x DP=2 (each rank all four
+    experts) in the same launch and at one process. fp32: as
+    test_megatron_checkpoint_resumes_at_other_layouts, the straight run's losses and the fp64
+    reference's unclipped grad norms and weights (measured: losses within 2.6e-8, norms 3.0e-6).
+    bf16 (MIXTRAL_BF16, EP=2 x DP=2 resumed at EP=1 x DP=2) against the straight bf16 run: the
+    first resumed step within fp32 rounding (RESUMED_LOSS_RTOL; its bf16 weights are the fp32
+    masters rounded as the straight run's: measured loss equal, norm 6.6e-8), the next step's
+    loss and norm and the weights after step 5 within BF16_STEP (measured 3.1e-6, 2.9e-4,
+    5.6e-4). Planted: the resharding's Adam moments of local experts 0 and 1 swapped as they
+    are read from each file (checkpoint.resharded): fp32 at EP=1 x DP=2 step-4 loss 5.780517 vs
+    5.780540 (3.9e-6), norm 3.60880 vs 3.60443, weights 0.153 from the reference, failed; bf16
+    step-4 norm 3.1e-3 from the straight run's, weights 0.153, failed."""
+    mixtral = two_rank_runs["mixtral"]
+    straight = mixtral[TWO_RANKS["mixtral_ep2"][1]]
+    resumed = {"ep1_dp2": straight["resumed_at"][EP1], "one process": resumed_in_one_process(straight, tmp_path)}
     for name, run in resumed.items():
-        what = f"megatron tp2_pp2 resumed at {name}"
-        for step, (loss, expected) in enumerate(zip(run["losses"], straight["losses"][SAVED_AFTER:], strict=True)):
-            assert rel_diff(loss, expected) <= RESUMED_LOSS_RTOL, \
-                f"{what}: step {SAVED_AFTER + step} loss {loss} vs {expected}"
-        assert_norms(run["grad_norms"], reference["grad_norms"][SAVED_AFTER:], what)
-        assert run["lrs"] == straight["lrs"][SAVED_AFTER:] and run["global_steps"] == 5, what
-        error = relative_error(run["weights"], reference["weights"])
-        assert error < WEIGHT_RTOL, f"{what}: weights after step 5 {error:.2e} from the fp64 reference"
+        assert_resumed_continues(run, straight, mixtral["reference"], f"megatron mixtral ep2 resumed at {name}")
+    bf16 = mixtral[MIXTRAL_BF16]
+    run = bf16["resumed_at"][f"{EP1},dtype=bfloat16"]
+    figures = {f"step {SAVED_AFTER + i} {what}": rel_diff(got, want) for what in ("losses", "grad_norms")
+               for i, (got, want) in enumerate(zip(run[what], bf16[what][SAVED_AFTER:], strict=True))}
+    figures["weights after step 5"] = relative_error(run["weights"], bf16["weights"])
+    shown = "; ".join(f"{what} {value:.2e}" for what, value in figures.items())
+    print(f"\nmegatron mixtral bf16 ep2 resumed at ep1_dp2 vs straight: {shown}")
+    assert figures[f"step {SAVED_AFTER} losses"] <= RESUMED_LOSS_RTOL, shown
+    assert figures[f"step {SAVED_AFTER} grad_norms"] <= RESUMED_LOSS_RTOL, shown
+    assert max(figures.values()) <= BF16_STEP, shown
+    assert run["lrs"] == bf16["lrs"][SAVED_AFTER:] and run["global_steps"] == 5
 
 
 @pytest.mark.slow
@@ -255,3 +310,4 @@ def test_the_tp3_worked_config_trains_smollm2_as_one_deepspeed_process(tmp_path,
     assert_same_steps(train_steps(tmp_path / "megatron tp3"), train_steps(tmp_path / "deepspeed"), [1, 2], rtol=1e-5)
     vals = [read_metrics(tmp_path / name)[-1]["val/loss"] for name in runs]
     assert rel_diff(*vals) < 1e-5, vals
+
