@@ -179,7 +179,8 @@ def main() -> None:
     mfu = statistics.median(r["flops"] / tp / r["seconds"] for r in measured) / (args.peak_tflops * 1e12)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     summary = {"shape": args.shape, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "engine": args.engine, "tensor_parallel_size": tp, "ranks": world, "dtype": args.dtype, "tokens_per_micro_batch": args.tokens,
+               "engine": args.engine, "tensor_parallel_size": tp, "ranks": world, "dtype": args.dtype,
+               "tokens_per_micro_batch": args.tokens,
                "micro_batches": args.micro_batches, "step_s": seconds, "tokens_per_s": tokens_per_s, "mfu": mfu,
                "max_memory_allocated_gib": peak_gib, "steps": rows,
                "parameters": sum(p.numel() for p in lm.parameters())}

@@ -7,6 +7,7 @@ without decay on 1-D weights, the whole Hugging Face weights gathered after the 
 per-rank checkpoint resuming into the same steps, at its own layout, (TP=2 x PP=2's) at TP=1
 and DP=2 x TP=2, and (Mixtral EP=2's, fp32 and bf16) at EP=1. And what the engine's config refuses."""
 
+import json
 import subprocess
 from functools import partial
 
@@ -33,6 +34,7 @@ pytest.importorskip("megatron.core")
 # with MoE is refused: architecture.check_layout) in the same launch, in fp32 (mixtral_ep2) and in
 # bf16 (MIXTRAL_BF16), checked by test_megatron_moe_checkpoint_resumes_at_other_layouts.
 EP2, EP1 = "megatron:expert_parallel_size=2", "megatron:expert_parallel_size=1"
+TP2 = "megatron:tensor_parallel_size=2"
 MIXTRAL_BF16 = f"{EP2},dtype=bfloat16>{EP1},dtype=bfloat16"
 # name: (model, layout, its data-parallel size); one 2-rank launch runs them all.
 TWO_RANKS = {"dp2": ("llama", "megatron:tensor_parallel_size=1", 2),
@@ -135,7 +137,8 @@ def assert_resumed_continues(run: dict, straight: dict, reference: dict, what: s
     reference's unclipped grad norms (NORM_RTOL) and weights after step 5 (WEIGHT_RTOL), the
     straight run's rates."""
     for step, (loss, expected) in enumerate(zip(run["losses"], straight["losses"][SAVED_AFTER:], strict=True)):
-        assert rel_diff(loss, expected) <= RESUMED_LOSS_RTOL, f"{what}: step {SAVED_AFTER + step} loss {loss} vs {expected}"
+        assert rel_diff(loss, expected) <= RESUMED_LOSS_RTOL, \
+            f"{what}: step {SAVED_AFTER + step} loss {loss} vs {expected}"
     assert_norms(run["grad_norms"], reference["grad_norms"][SAVED_AFTER:], what)
     assert run["lrs"] == straight["lrs"][SAVED_AFTER:] and run["global_steps"] == 5, what
     error = relative_error(run["weights"], reference["weights"])
@@ -163,7 +166,9 @@ def test_megatron_moe_checkpoint_resumes_at_other_layouts(two_rank_runs, tmp_pat
     5.6e-4). Planted: the resharding's Adam moments of local experts 0 and 1 swapped as they
     are read from each file (checkpoint.resharded): fp32 at EP=1 x DP=2 step-4 loss 5.780517 vs
     5.780540 (3.9e-6), norm 3.60880 vs 3.60443, weights 0.153 from the reference, failed; bf16
-    step-4 norm 3.1e-3 from the straight run's, weights 0.153, failed."""
+    step-4 norm 3.1e-3 from the straight run's, weights 0.153, failed. On the per-tensor
+    resharding: the moments not cut into this rank's shards (left zero): fp32 step-4 loss
+    5.783036 vs 5.780540 (4.3e-4), weights 0.160; bf16 step-4 norm 3.845 vs 3.598, weights 0.160."""
     mixtral = two_rank_runs["mixtral"]
     straight = mixtral[TWO_RANKS["mixtral_ep2"][1]]
     resumed = {"ep1_dp2": straight["resumed_at"][EP1], "one process": resumed_in_one_process(straight, tmp_path)}
@@ -311,3 +316,41 @@ def test_the_tp3_worked_config_trains_smollm2_as_one_deepspeed_process(tmp_path,
     vals = [read_metrics(tmp_path / name)[-1]["val/loss"] for name in runs]
     assert rel_diff(*vals) < 1e-5, vals
 
+
+def write_deep_llama(folder):
+    """A 12-layer Llama, 256 wide, MLP 1024, untied head, vocabulary 2048: 12.8M parameters
+    (49 MiB in fp32), no tensor above 2 MiB, so one whole-model copy stands out of the noise."""
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_resharding_a_checkpoint_holds_one_tensor_at_a_time(tmp_path):
+    """write_deep_llama's TP=2 checkpoint (2 ranks, one step) resumed at TP=1 in one process
+    (tests/dist_scripts/megatron_reshard_memory.py, cold starts): the load's peak RssAnon above
+    its start stays below one fp32 copy of the model (checkpoint.resharded builds one Hugging
+    Face tensor's masters and moments at a time; the resumed steps it gives are
+    test_megatron_checkpoint_resumes_at_other_layouts'). Measured: start 550.4 MiB, peak 649.2
+    (+98.8: Adam's moments, 2 x 49.0 MiB, and ~1 MiB more). The bug it is for, the whole-model
+    resharding before this one (three flat fp32 copies of every Hugging Face tensor and int64
+    element places of every shard): peak +336.0 MiB, failed."""
+    model = write_deep_llama(tmp_path / "model")
+    script = str(REPO / "tests" / "dist_scripts" / "megatron_reshard_memory.py")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "memory.json"
+    assert_ok(run_cli(None, ["save", str(model), str(ckpt), TP2], nproc=2, script=script, preloaded=False))
+    assert_ok(run_cli(None, ["load", str(model), str(ckpt), EP1, str(out)], nproc=1, script=script,
+                      preloaded=False))
+    memory = json.loads(out.read_text())
+    rise = memory["load"]["peak"] - memory["load"]["start"]
+    print(f"\nresharding TP=2 -> TP=1: RssAnon MiB {memory['load']}, peak rise {rise:.1f} MiB; model "
+          f"{memory['model_mib']:.1f} MiB fp32, largest tensor {memory['largest_tensor_mib']:.2f} MiB")
+    # The load leaves Adam's two fp32 moments (absent before: the engine has taken no step), 2x
+    # the model at TP=1; one more model copy of room for a tensor's temporaries and the allocator.
+    assert rise < 3 * memory["model_mib"], memory
