@@ -11,7 +11,13 @@ time, tokens/s and MFU (model FLOPs as the trainer counts them, hpsft/utils/perf
 cross-entropy on the same hidden states, LM-head weight and labels (when liger_kernel is
 importable; a line says so otherwise): loss and d(hidden) within bf16 tolerances.
 
+With --engine megatron the same step runs on hpsft's Megatron-Core engine (engine.name=megatron,
+--tensor-parallel-size TP; DP = the other ranks): tokens/s of the replicas' rows and MFU per
+rank (a replica's FLOPs over its TP ranks); no Liger comparison there.
+
     python benchmarks/bench_gpu_step.py --out DIR                  # one GPU (scripts/gpu_checks.sh)
+    python benchmarks/bench_gpu_step.py --engine megatron --out DIR                                  # TP=1
+    torchrun --nproc_per_node 2 benchmarks/bench_gpu_step.py --engine megatron --tensor-parallel-size 2 ...
     torchrun --nproc_per_node 2 benchmarks/bench_gpu_step.py ...   # 2 ranks
     .venv/bin/python benchmarks/bench_gpu_step.py --shape tiny --device cpu --tokens 256   # the flow, on CPU
 
@@ -60,12 +66,14 @@ def packed_micro_batch(tokens: int, vocab_size: int, generator: torch.Generator)
     return packed_row(collate_jagged(samples)), lengths
 
 
-def build_engine(shape: str, dtype: str, device: torch.device):
+def build_engine(shape: str, dtype: str, device: torch.device, engine_name: str, tp: int):
+    """DeepSpeed ZeRO-1 (one process: DP = the ranks), or the Megatron engine at TP = tp (DP = the
+    rest of the ranks), on the random-init Llama of `shape`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hpsft.config.schema import EngineConfig, OptimConfig
-    from hpsft.engine.deepspeed import DeepSpeedEngine
-    from hpsft.utils.distributed import Mesh
+    from hpsft.engine.factory import engine_class
+    from hpsft.utils.distributed import Mesh, mesh
     from hpsft.models import PackedCausalLM
     from hpsft.models.varlen_attention import ATTN_IMPLEMENTATION
 
@@ -74,8 +82,12 @@ def build_engine(shape: str, dtype: str, device: torch.device):
     torch.manual_seed(0)
     with device:  # random init on the device: seconds on a GPU, not minutes on its host
         lm = LlamaForCausalLM(config)
-    engine = DeepSpeedEngine(EngineConfig(zero_stage=1, dtype=dtype), OptimConfig(), total_steps=1000,
-                             mesh=Mesh(dp_size=1))  # one process
+    if engine_name == "deepspeed":
+        engine_config, layout = EngineConfig(zero_stage=1, dtype=dtype), Mesh(dp_size=1)  # one process
+    else:
+        engine_config = EngineConfig(name="megatron", tensor_parallel_size=tp, dtype=dtype)
+        layout = mesh(engine_config)
+    engine = engine_class(engine_config.name)(engine_config, OptimConfig(), total_steps=1000, mesh=layout)
     engine.initialize(PackedCausalLM(lm))
     return engine, lm
 
@@ -115,6 +127,9 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=3, help="measured steps, after one warm-up step")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per rank (H100/H200: 989)")
+    parser.add_argument("--engine", choices=["deepspeed", "megatron"], default="deepspeed",
+                        help="hpsft's DeepSpeed engine (ZeRO-1) or its Megatron-Core engine")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="the Megatron engine's TP size")
     parser.add_argument("--out", type=Path, default=None, help="folder for results.json")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -129,9 +144,13 @@ def main() -> None:
     rank, world = distributed.rank(), distributed.world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    engine, lm = build_engine(args.shape, args.dtype, device)
+    if args.engine == "deepspeed" and args.tensor_parallel_size != 1:
+        sys.exit("--tensor-parallel-size: the Megatron engine's (--engine megatron); DeepSpeed runs ZeRO-1 here")
+    engine, lm = build_engine(args.shape, args.dtype, device, args.engine, args.tensor_parallel_size)
+    tp = args.tensor_parallel_size if args.engine == "megatron" else 1
+    replicas = world // tp  # data-parallel replicas: each its own rows
     body, head = flop_counts(lm)
-    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    generator = torch.Generator().manual_seed(1000 + rank // tp)  # each replica its own data (a TP group the same)
     steps = [[packed_micro_batch(args.tokens, lm.config.vocab_size, generator) for _ in range(args.micro_batches)]
              for _ in range(args.steps + 1)]
     feed = device_feed(device)
@@ -149,27 +168,31 @@ def main() -> None:
         sync()
         seconds = time.perf_counter() - start
         flops = model_flops(body, head, lm.config.num_hidden_layers, lm.config.hidden_size, lengths, loss_tokens)
-        loss = statistics.fmean(float(out["loss"] / out["n_tokens"]) for out in result.outputs)
+        loss = statistics.fmean(float(out["loss"] / out["n_tokens"]) for out in result.outputs) if result.outputs \
+            else float("nan")  # a rank that reports no outputs (not the last stage)
         rows.append({"step": index, "seconds": seconds, "tokens": sum(lengths), "flops": flops, "loss": loss,
                      "grad_norm": result.grad_norm})
     measured = rows[1:] or rows
     seconds = statistics.median(r["seconds"] for r in measured)
-    tokens_per_s = world * measured[0]["tokens"] / seconds
-    mfu = statistics.median(r["flops"] / r["seconds"] for r in measured) / (args.peak_tflops * 1e12)
+    tokens_per_s = replicas * measured[0]["tokens"] / seconds
+    # MFU per rank: a TP group shares one replica's FLOPs.
+    mfu = statistics.median(r["flops"] / tp / r["seconds"] for r in measured) / (args.peak_tflops * 1e12)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     summary = {"shape": args.shape, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "ranks": world, "dtype": args.dtype, "tokens_per_micro_batch": args.tokens,
+               "engine": args.engine, "tensor_parallel_size": tp, "ranks": world, "dtype": args.dtype,
+               "tokens_per_micro_batch": args.tokens,
                "micro_batches": args.micro_batches, "step_s": seconds, "tokens_per_s": tokens_per_s, "mfu": mfu,
                "max_memory_allocated_gib": peak_gib, "steps": rows,
                "parameters": sum(p.numel() for p in lm.parameters())}
     if rank == 0:
+        layout = "ZeRO-1" if args.engine == "deepspeed" else f"Megatron engine, TP={tp}"
         print(f"{args.shape}-shaped Llama ({summary['parameters'] / 1e9:.2f}B parameters), {world} rank(s), "
-              f"{args.dtype}, ZeRO-1, {args.micro_batches} micro-batches of {args.tokens} packed tokens a step")
+              f"{args.dtype}, {layout}, {args.micro_batches} micro-batches of {args.tokens} packed tokens a step")
         print("| step | seconds | tokens (all ranks) | tokens/s | MFU | loss | grad norm |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['step']}{' (warm-up)' if r['step'] == 0 else ''} | {r['seconds']:.3f} | {world * r['tokens']} | "
-                  f"{world * r['tokens'] / r['seconds']:.0f} | {r['flops'] / r['seconds'] / (args.peak_tflops * 1e12):.1%} "
+            print(f"| {r['step']}{' (warm-up)' if r['step'] == 0 else ''} | {r['seconds']:.3f} | {replicas * r['tokens']} | "
+                  f"{replicas * r['tokens'] / r['seconds']:.0f} | {r['flops'] / tp / r['seconds'] / (args.peak_tflops * 1e12):.1%} "
                   f"| {r['loss']:.4f} | {r['grad_norm']:.3f} |")
         print(f"median after the warm-up: {seconds:.3f} s a step, {tokens_per_s:.0f} tokens/s, MFU {mfu:.1%} of "
               f"{args.peak_tflops:g} TFLOP/s per rank; max_memory_allocated {peak_gib:.1f} GiB")
@@ -177,6 +200,9 @@ def main() -> None:
     if importlib.util.find_spec("liger_kernel") is None:
         if rank == 0:
             print("Liger-Kernel: not importable here, no loss comparison")
+    elif args.engine == "megatron":
+        if rank == 0:
+            print("Liger-Kernel: not compared on the Megatron engine (its hidden states are Megatron's GPTModel's)")
     elif args.device == "cuda":  # Liger's kernels are Triton on CUDA only
         compared = compare_with_liger(engine.module, steps[0][0][0], device)
         summary["liger"] = compared
@@ -190,7 +216,8 @@ def main() -> None:
         print("Liger-Kernel: its kernels need CUDA, no loss comparison on CPU")
     if rank == 0 and args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "gpu_step.json" if world == 1 else f"gpu_step_{world}ranks.json"
+        name = ("gpu_step" if args.engine == "deepspeed" else f"gpu_step_megatron_tp{tp}") + \
+            ("" if world == 1 else f"_{world}ranks") + ".json"
         (args.out / name).write_text(json.dumps(summary, indent=1))
     sys.exit(status)
 

@@ -9,6 +9,8 @@
 #   4. step: an end-to-end bf16 ZeRO-1 step of a random-init Llama-3.2-1B-shaped model on packed
 #      16k-token micro-batches (benchmarks/bench_gpu_step.py): tokens/s, MFU against 989
 #      TFLOP/s, hpsft's loss against Liger's on the same batch
+#   4b. megatron: the same step on the Megatron-Core engine (--engine megatron): tokens/s and MFU
+#      at TP=1 on one GPU, TP=2 on 2 ranks when the device has 2 GPUs (a line otherwise)
 #   5. ranks: the same step on 2 ranks (torchrun), and TP=2 against TP=1
 #      (benchmarks/bench_tensor_parallel.py), when the device has 2 GPUs (a line otherwise)
 #   6. train (not by default): a bf16 training run of configs/sft.yaml's SmolLM2-135M (random
@@ -25,7 +27,7 @@
 #   GPU_CHECKS_PREPARE=1  on the CPU machine, before lending the GPU: download the wheels the
 #                         GPU machine cannot fetch (it has no network) into .whl/ (git-ignored
 #                         through .git/info/exclude), then exit. Carry .whl in the device call.
-#   GPU_CHECKS_ONLY="tests bench step ranks"  the checks to run (the default; add train, ray).
+#   GPU_CHECKS_ONLY="tests bench step megatron ranks"  the checks to run (the default; add train, ray).
 #   GPU_CHECKS_DRY_RUN=1  on a machine without GPU: .venv/bin/python, no venv, no nvidia-smi;
 #                         the same steps on CPU at small sizes (GPU tests skipped, the
 #                         benchmark's --account figures in place of its GPU run, the step on a
@@ -49,7 +51,7 @@ if [[ "${GPU_CHECKS_PREPARE:-0}" == 1 ]]; then
     download -d .whl liger-kernel==0.8.5 tensordict==0.15.3 pyvers==0.2.3 omegaconf==2.4.0 \
         hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
         typing-inspection==0.4.5 typing-extensions==4.16.0 jsonschema==4.26.0 referencing==0.37.0 \
-        jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 &&
+        jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 megatron-core==0.19.2 &&
         # deepspeed ships an sdist only: a pure-Python wheel (ops JIT-build on first use).
         DS_BUILD_OPS=0 timeout 600 python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8 &&
         # ray's wheel (76 MB) alone exceeds what a device call carries (64 MiB). Its Java
@@ -78,7 +80,7 @@ for ignored in /gpu_results/; do
     [[ -d .git/info ]] && ! grep -qx "$ignored" .git/info/exclude 2>/dev/null && echo "$ignored" >>.git/info/exclude
 done
 DRY_RUN="${GPU_CHECKS_DRY_RUN:-0}"
-ONLY=" ${GPU_CHECKS_ONLY:-tests bench step ranks} "
+ONLY=" ${GPU_CHECKS_ONLY:-tests bench step megatron ranks} "
 wanted() { [[ "$ONLY" == *" $1 "* ]]; }
 SCALE="${GPU_CHECKS_TIMEOUT_SCALE:-$([[ "$DRY_RUN" == 1 ]] && echo 4 || echo 1)}"
 DEADLINE=$((SECONDS + ${GPU_CHECKS_BUDGET_S:-470} * SCALE))
@@ -222,6 +224,29 @@ fi
 # 5b. Tensor parallelism: TP=1 against TP=2 (DeepSpeed AutoTP, 2 ranks, ZeRO-1) on SmolLM2-135M's
 # widths with 8/4 heads (benchmarks/bench_tensor_parallel.py): step time and each rank's
 # parameter + gradient + optimizer bytes counted by tensor (the GPU target: TP=2 <= 0.55x TP=1).
+# The Megatron-Core engine (engine.name=megatron) on the same step: TP=1 on one GPU, TP=2 over
+# two (megatron-core is a carried wheel: GPU_CHECKS_PREPARE=1).
+MEGATRON_LOG="$OUT_DIR/megatron_step.log"
+megatron_detail() {  # the Megatron step log's summary line of its last run
+    grep -o 'median after the warm-up.*' "$MEGATRON_LOG" | tail -n 1
+}
+if ! wanted megatron; then
+    :
+elif ! has megatron.core; then
+    row "1B-shaped bf16 step, Megatron engine" "skipped" 0 "megatron.core not importable (carry .whl: GPU_CHECKS_PREPARE=1)"
+else
+    start=$SECONDS
+    step "Megatron step, TP=1" 150 "$MEGATRON_LOG" "$PY" benchmarks/bench_gpu_step.py "${STEP_ARGS[@]}" --engine megatron
+    result "1B-shaped bf16 step, Megatron engine TP=1, 1 rank" $? $start "$MEGATRON_LOG" "$(megatron_detail)"
+    if ((GPUS < 2)) && [[ "$DEVICE" == cuda ]]; then
+        row "1B-shaped bf16 step, Megatron engine TP=2, 2 ranks" "skipped" 0 "$GPUS GPU(s) here: TP=2 needs 2"
+    else
+        start=$SECONDS
+        step "Megatron step, TP=2" 180 "$MEGATRON_LOG" "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
+            benchmarks/bench_gpu_step.py "${STEP_ARGS[@]}" --engine megatron --tensor-parallel-size 2
+        result "1B-shaped bf16 step, Megatron engine TP=2, 2 ranks" $? $start "$MEGATRON_LOG" "$(megatron_detail)"
+    fi
+fi
 TP_LOG="$OUT_DIR/tensor_parallel.log"
 if [[ "$DEVICE" == cuda ]]; then
     TP_ARGS=(--device cuda --dtype bfloat16 --layers 30 --tokens 8192 --steps 3)

@@ -8,8 +8,9 @@ follows the skip.) Rank 0 saves per layout the unclipped gradient norms, the rat
 weights of both engines (Hugging Face names, gathered), and the plain-torch reference of the
 same steps (see reference()).
 
-A layout is ENGINE:KEY=VALUE[,KEY=VALUE...] of the config section `engine` (ints), e.g.
-deepspeed:zero_stage=2 or megatron:tensor_parallel_size=2,pipeline_parallel_size=2. The rows
+A layout is ENGINE:KEY=VALUE[,KEY=VALUE...] of the config section `engine` (ints, or a word
+such as dtype=bfloat16), e.g. deepspeed:zero_stage=2 or
+megatron:tensor_parallel_size=2,pipeline_parallel_size=2. The rows
 are the same for every layout: two data parts, each on its own data-parallel rank at DP=2, both
 on the one rank at DP=1 (every TP / PP rank of a replica gets its replica's rows). Several
 models may share the launch, each with its layouts (groups separated by --); the results are
@@ -109,7 +110,7 @@ def reference(model: str, steps: list) -> dict:
 def layout_config(layout: str) -> EngineConfig:
     name, _, options = layout.partition(":")
     keys = dict(option.split("=") for option in options.split(",") if option)
-    return EngineConfig(name=name, **{key: int(value) for key, value in keys.items()})
+    return EngineConfig(name=name, **{key: int(value) if value.isdigit() else value for key, value in keys.items()})
 
 
 def built(model: str, layout: str) -> TrainEngine:

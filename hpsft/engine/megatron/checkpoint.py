@@ -10,18 +10,17 @@ Face config beside them.
                                parameter, and the step counts (taken; applied)
 
 A checkpoint resumes at the layout that wrote it (TP, PP, EP and DP the same) from each rank's
-own file, as it was. At another layout every rank reads every file (resharded): the masters and
-Adam's moments go into whole Hugging Face tensors by each shard's parameter range and
-convert.pieces at the writing rank's Shard, and this rank's shards are cut from them by the same
-mapping at its own Shard; the model's weights are the masters in its dtype, Adam's step count the
-checkpoint's. hpsft export reads any of them in one process: hf_weights reassembles each
+own file, as it was. At another layout every rank reads every file, memory-mapped (resharded),
+one Hugging Face tensor at a time: its masters and Adam's moments are built whole by each
+shard's parameter range and convert.pieces at the writing rank's Shard, this rank's slices cut
+from them by the same mapping at its own Shard, and the tensor freed; the model's weights are
+the masters in its dtype, Adam's step count the checkpoint's. hpsft export reads any of them in one process: hf_weights reassembles each
 Hugging Face tensor from the first data-parallel replica's shards with convert.pieces, the
 mapping training loads by. The files hold pickled objects beside the tensors (a checkpoint is
 code, as DeepSpeed's is: docs/checkpoints.md).
 """
 
 import dataclasses
-import math
 from pathlib import Path
 
 import torch
@@ -108,81 +107,111 @@ def load(engine, folder: Path) -> tuple[int, int]:
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+KEYS = ("master", *MOMENTS)  # what resharding carries of each optimizer element
 
 
-def hf_positions(arch, shard, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """For each Megatron parameter (name: shape) of a rank at `shard`, the place of each of its
-    elements in the Hugging Face tensors laid end to end in hf_tensor_names' order (int64, the
-    parameter's shape), by convert.pieces; -1 where it holds none (padded vocabulary rows)."""
-    from hpsft.engine.megatron.convert import hf_tensor_names, pieces
+def flat_positions(shape: torch.Size, dst: tuple) -> torch.Tensor:
+    """The index in the flattened parameter (of `shape`) of each element of parameter[dst]
+    (int64, that view's shape), from the view's offset and strides: a meta tensor, so nothing
+    of the parameter's size is allocated."""
+    view = torch.empty(shape, device="meta")[dst]
+    flat = torch.tensor(view.storage_offset())
+    for size, stride in zip(view.shape, view.stride()):
+        flat = flat.unsqueeze(-1) + torch.arange(size) * stride
+    return flat
 
-    positions = {name: torch.full(shape, -1, dtype=torch.int64) for name, shape in shapes.items()}
-    offset = 0
-    for name, shape in hf_tensor_names(arch):
-        places = torch.arange(offset, offset + math.prod(shape)).view(shape)
-        for piece in pieces(arch, name, shard):
-            positions[piece.param][piece.dst] = places[piece.src]
-        offset += math.prod(shape)
-    return positions
+
+def held_in_range(shape: torch.Size, dst: tuple, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of parameter[dst], the elements an optimizer shard covering [start, end) of the flattened
+    parameter holds (a mask of that view's shape) and their offsets in the shard."""
+    flat = flat_positions(shape, dst)
+    inside = (flat >= start) & (flat < end)
+    return inside, flat[inside] - start
+
+
+def file_shards(state: dict) -> dict[str, tuple[int, int, dict]]:
+    """A rank file's distributed-optimizer shards by model parameter name: (start, end, the
+    shard's master and moments by KEYS; a moment None before Adam's first step)."""
+    shards = {}
+    for saved in state["optimizers"]:
+        adam = saved["adam"]["state"]
+        for i, ((name, start, end), master) in enumerate(zip(saved["ranges"], saved["master"], strict=True)):
+            shards[name] = (start, end, {"master": master, **{key: adam[i][key] if i in adam else None
+                                                              for key in MOMENTS}})
+    return shards
 
 
 def resharded(engine, folder: Path, files: list[Path]) -> tuple[int, int]:
-    """Another layout's checkpoint into this rank: the fp32 master weights and Adam's moments of
-    every rank's distributed-optimizer shards laid into whole Hugging Face tensors (each
-    shard's parameter and range from its file, that parameter's elements' Hugging Face places
-    from convert.pieces at the writing rank's Shard), then this rank's shards cut from them the
-    same way at its own Shard; the model's weights are the masters in its dtype. Adam's step
-    count is the checkpoint's (one for every parameter)."""
-    from hpsft.engine.megatron.convert import Shard, hf_tensor_names
+    """Another layout's checkpoint into this rank, one Hugging Face tensor at a time: its fp32
+    master weights and Adam's moments built whole from every rank's file (each shard's
+    parameter and range from its file, the parameter's slices of the tensor from
+    convert.pieces at the writing rank's Shard), this rank's slices of it cut into its model
+    parameters and optimizer shards the same way at its own Shard, then freed; the files are
+    memory-mapped, so at most one tensor's three fp32 copies are built at once. The model's
+    weights are the masters in its dtype; Adam's step count is the checkpoint's (one for every
+    parameter)."""
+    from hpsft.engine.megatron.convert import Shard, hf_tensor_names, pieces
 
     arch = engine.module.hf_architecture
-    total = sum(math.prod(shape) for _, shape in hf_tensor_names(arch))
-    whole = {key: torch.zeros(total, dtype=torch.float32) for key in ("master", *MOMENTS)}
-    written = torch.zeros(total, dtype=torch.bool)
-    steps = set()
-    for path in files:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        if "ranges" not in state["optimizers"][0]:
-            raise UserInputError(f"{folder}: written before the Megatron engine recorded its optimizer shards' "
-                                 "places; it resumes only at the layout that wrote it")
-        positions = hf_positions(arch, Shard(**state["shard"]),
-                                 {name: tensor.shape for name, tensor in state["model"].items()})
-        for saved in state["optimizers"]:
-            adam = saved["adam"]["state"]
-            for i, ((name, start, end), master) in enumerate(zip(saved["ranges"], saved["master"], strict=True)):
-                places = positions[name].view(-1)[start:end]
-                held = places >= 0
-                whole["master"][places[held]] = master[held]
-                written[places[held]] = True
-                for key in MOMENTS:
-                    whole[key][places[held]] = adam[i][key][held] if i in adam else 0.0
-                steps.add(float(adam[i]["step"]) if i in adam else 0.0)
-    if not written.all():
-        raise UserInputError(f"{folder}: the ranks' files give {int(written.sum())} of the model's {total} "
-                             "optimizer elements: a rank's file is missing")
+    states = [torch.load(path, map_location="cpu", mmap=True, weights_only=False) for path in files]
+    if any("ranges" not in state["optimizers"][0] for state in states):
+        raise UserInputError(f"{folder}: written before the Megatron engine recorded its optimizer shards' "
+                             "places; it resumes only at the layout that wrote it")
+    writers = [(Shard(**state["shard"]), file_shards(state),
+                {name: tensor.shape for name, tensor in state["model"].items()}) for state in states]
+    steps = {float(saved["adam"]["state"][i]["step"]) if i in saved["adam"]["state"] else 0.0
+             for state in states for saved in state["optimizers"] for i in range(len(saved["master"]))}
     if len(steps) != 1:
         raise RuntimeError(f"{folder}: the optimizer shards' Adam step counts differ: {sorted(steps)}")
     step = steps.pop()
 
-    shapes = {name: p.shape for name, p in engine.module.named_parameters()}
-    positions = hf_positions(arch, Shard.of_this_rank(), shapes)
-
-    def cut(key: str, places: torch.Tensor) -> torch.Tensor:
-        return torch.where(places >= 0, whole[key][places.clamp_min(0)], 0.0)
-
-    for name, param in engine.module.named_parameters():
-        param.copy_(cut("master", positions[name]).to(param.dtype))
+    params = dict(engine.module.named_parameters())
+    own, adams = {}, []  # this rank's shards by parameter name; each optimizer's state to load
     for chained in engine.optimizer.chained_optimizers:
-        masters = master_params(chained)
         adam = chained.optimizer.state_dict()
-        for i, ((name, start, end), master) in enumerate(zip(master_ranges(engine.module, chained), masters,
-                                                             strict=True)):
-            places = positions[name].view(-1)[start:end]
-            master.copy_(cut("master", places))
-            adam["state"][i] = {"step": torch.tensor(step), **{key: cut(key, places) for key in MOMENTS}}
+        for i, ((name, start, end), master) in enumerate(zip(master_ranges(engine.module, chained),
+                                                             master_params(chained), strict=True)):
+            adam["state"][i] = {"step": torch.tensor(step), **{key: torch.zeros_like(master) for key in MOMENTS}}
+            own[name] = (start, end, {"master": master, **{key: adam["state"][i][key] for key in MOMENTS}})
+        adams.append((chained, adam))
+    for name, param in params.items():  # padded vocabulary rows: in no Hugging Face tensor, zero
+        param.zero_()
+        if name in own:
+            own[name][2]["master"].zero_()
+
+    shard = Shard.of_this_rank()
+    for hf_name, shape in hf_tensor_names(arch):
+        mine = pieces(arch, hf_name, shard)
+        if not mine:
+            continue
+        whole = {key: torch.zeros(shape, dtype=torch.float32) for key in KEYS}
+        written = torch.zeros(shape, dtype=torch.bool)
+        for writer, shards, shapes in writers:
+            for piece in pieces(arch, hf_name, writer):
+                if piece.param not in shards:
+                    continue  # this writer's optimizer shard holds none of that parameter
+                start, end, values = shards[piece.param]
+                inside, offsets = held_in_range(shapes[piece.param], piece.dst, start, end)
+                for key in KEYS:
+                    if values[key] is not None:
+                        whole[key][piece.src][inside] = values[key][offsets].float()
+                written[piece.src][inside] = True
+        if not written.all():
+            raise UserInputError(f"{folder}: the ranks' files give {int(written.sum())} of the {written.numel()} "
+                                 f"optimizer elements of {hf_name}: a rank's file is missing")
+        for piece in mine:
+            param = params[piece.param]
+            param[piece.dst] = whole["master"][piece.src].to(param.dtype)
+            if piece.param in own:
+                start, end, targets = own[piece.param]
+                inside, offsets = held_in_range(param.shape, piece.dst, start, end)
+                for key in KEYS:
+                    targets[key][offsets] = whole[key][piece.src][inside]
+        del whole, written
+    for chained, adam in adams:
         chained.optimizer.load_state_dict(adam)
     dist.barrier()
-    return state["steps"], state["updates"]  # every rank's file has the same counts
+    return states[0]["steps"], states[0]["updates"]  # every rank's file has the same counts
 
 
 def hf_weights(folder: Path) -> dict[str, torch.Tensor] | None:
