@@ -440,11 +440,14 @@ def test_tp2_cli_run_with_the_vocabulary_parallel_head_equals_one_process(tmp_pa
     equal, loss and unclipped grad norm within 1e-5, val loss within 1e-5, the end-of-run export
     (the shards gathered over TP) loads strictly and equals the one-process export within 1e-6;
     its step-1 checkpoint resumed at TP=2 with the head sharded trains steps 2-3 as the straight
-    run (1e-6); resumed in one process it is refused naming engine.vocab_parallel_head, and
-    `hpsft export` of it is refused (not built yet). Measured: loss 0, grad norm 3.3e-7, export
-    1.8e-7, the resume equal to every digit. Planted once: the TP ranks' rows gathered in
-    reverse order at export (whole_vocabulary_weight): training unchanged (grad norm 3.3e-7), the
-    export 1.4 off the one-process run's, failed."""
+    run (1e-6, DeepSpeed's native load), and so does it resumed in one process (whole head,
+    through the universal conversion: 1e-5); `hpsft export` of its step-3 checkpoint equals its
+    own end-of-run export (1e-6). Measured: loss 0, grad norm 3.3e-7, export 1.8e-7, the TP=2
+    resume equal to every digit. Planted once: the TP ranks' rows gathered in reverse order at
+    export (whole_vocabulary_weight): training unchanged (grad norm 3.3e-7), the export 1.4 off
+    the one-process run's, failed. Planted once: the shards left recorded as TP-replicated
+    (record_vocabulary_shards not called): the one-process resume failed in the universal
+    conversion ("Ranks [0, 1] hold different data for the same block of a replicated parameter")."""
     one, overrides = cli_runs.one, cli_runs.overrides
     sharded = {"engine.tensor_parallel_size": 2, "engine.vocab_parallel_head": "true"}
     run = tmp_path / "vocab_parallel"
@@ -460,10 +463,19 @@ def test_tp2_cli_run_with_the_vocabulary_parallel_head_equals_one_process(tmp_pa
     proc = run_cli("hpsft.train", overrides(resumed, **sharded, **{"trainer.resume": checkpoint}), nproc=2)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert_same_steps(train_steps(resumed), train_steps(run), [2, 3], rtol=1e-6)
-    proc = run_cli("hpsft.train", overrides(tmp_path / "one_process", **{"trainer.resume": checkpoint}))
-    assert proc.returncode != 0 and "engine.vocab_parallel_head=true" in proc.stdout + proc.stderr
-    proc = run_cli("hpsft.export", [str(checkpoint), str(tmp_path / "exported")])
-    assert proc.returncode != 0 and "engine.vocab_parallel_head=true" in proc.stdout + proc.stderr
+    one_process = tmp_path / "one_process"
+    proc = run_cli("hpsft.train", overrides(one_process, **{"trainer.resume": checkpoint}))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "converted to DeepSpeed's universal checkpoint" in proc.stdout
+    assert_same_steps(train_steps(one_process), train_steps(run), [2, 3], rtol=1e-5)
+    exported = tmp_path / "exported"
+    proc = run_cli("hpsft.export", [str(run / "checkpoints" / "global_step_3"), str(exported)])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ours, theirs = load_file(exported / "model.safetensors"), load_file(run / "hf" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    worst = max(float((ours[k] - w).norm() / w.norm()) for k, w in theirs.items())
+    print(f"hpsft export of the vocabulary-sharded checkpoint vs the run's own export {worst:.1e}")
+    assert worst < 1e-6
 
 
 @pytest.mark.slow

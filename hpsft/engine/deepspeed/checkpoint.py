@@ -11,9 +11,12 @@ checkpoint is then the adapters and their optimizer state only.
 
 import contextlib
 import functools
+import re
 from pathlib import Path
 
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, ORIGINAL_VOCAB_SIZE,
+                                            TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
+                                            VOCABULARY_PARAMETER_PATTERNS)
 from torch import nn
 
 from hpsft.engine.deepspeed.layout import Layout
@@ -21,6 +24,7 @@ from hpsft.engine.deepspeed.universal import (load_through_universal, load_unive
                                               load_universal_without_zero, to_universal, to_universal_without_zero,
                                               unsharded_to_universal)
 from hpsft.engine.optimizer import param_groups
+from hpsft.models.vocab_parallel_head import vocab_rows_of
 from hpsft.utils.errors import UserInputError
 
 
@@ -57,24 +61,37 @@ def load_trained_state(src: dict, dst: nn.Module) -> None:
 
 
 # Written beside DeepSpeed's files by a run with engine.vocab_parallel_head=true: its embedding and
-# LM head are vocabulary-row shards (hpsft/models/vocab_parallel_head.py) that AutoTP's record in
-# the model files does not describe, so the universal conversion would merge them wrongly.
+# LM head are vocabulary-row shards (hpsft/models/vocab_parallel_head.py).
 VOCAB_PARALLEL_HEAD = "vocab_parallel_head.json"
 
 
-def check_vocab_parallel_resume(folder: Path, saved: Layout, run: Layout, vocab_parallel_head: bool) -> None:
-    """Refuse a resume whose embedding/head sharding differs from the checkpoint's, or that would
-    take a vocabulary-sharded checkpoint through the universal conversion (another TP or ZeRO
-    layout): not built yet (docs/tensor_parallel.md, "The vocabulary-parallel head")."""
-    sharded = (folder / VOCAB_PARALLEL_HEAD).exists()
-    if sharded != vocab_parallel_head:
-        raise UserInputError(f"{folder} was written with engine.vocab_parallel_head={str(sharded).lower()}: resume it "
-                             f"with the same setting (this run has {str(vocab_parallel_head).lower()})")
-    if sharded and (saved.zero_shards, saved.tp_size) != (run.zero_shards, run.tp_size):
-        raise UserInputError(f"{folder} holds a vocabulary-sharded embedding/head (engine.vocab_parallel_head=true) "
-                             f"written by {saved.zero_shards} ZeRO shards x {saved.tp_size} TP ranks; this run has "
-                             f"{run.zero_shards} x {run.tp_size}: resuming it at another layout is not supported yet, "
-                             "resume with the engine.tensor_parallel_size and world size that wrote it")
+def record_vocabulary_shards(module: nn.Module) -> None:
+    """Describe engine.vocab_parallel_head's embedding/head rows in the universal-checkpoint record
+    DeepSpeed's AutoTP keeps on `module` (and writes into every checkpoint). AutoTP wrote it at
+    initialize and took those shards, which carry none of its own metadata, for TP-replicated
+    weights: the universal conversion would keep one rank's rows as the whole weight. Recorded as
+    vocabulary-parallel instead, the conversion concatenates the TP ranks' rows and cuts the
+    padding (DeepSpeed's vocabulary-tensor path), and a load at any TP size, sharded or not,
+    pads and cuts them again."""
+    info = getattr(module, UNIVERSAL_CHECKPOINT_INFO)
+    sharded = {name: vocab_rows_of(param) for name, param in module.named_parameters() if vocab_rows_of(param)}
+    patterns = [rf"^{re.escape(name)}$" for name in sharded]
+    info[TP_REPLICATED_PARAMETER_PATTERNS] = [
+        pattern for pattern in info[TP_REPLICATED_PARAMETER_PATTERNS] if not any(re.match(pattern, n) for n in sharded)]
+    for pattern in list(info.get(AFFINE_MAP, {}).get(AFFINE_MAP_PARAMS, {})):
+        if any(re.match(pattern, name) for name in sharded):
+            del info[AFFINE_MAP][AFFINE_MAP_PARAMS][pattern]
+    info[VOCABULARY_PARAMETER_PATTERNS] = sorted(set(info[VOCABULARY_PARAMETER_PATTERNS]) | set(patterns))
+    info[ORIGINAL_VOCAB_SIZE] = next(iter(sharded.values())).vocab_size
+
+
+def check_vocab_parallel_resume(folder: Path, vocab_parallel_head: bool) -> None:
+    """Refuse a run with engine.vocab_parallel_head=true resuming a checkpoint whose embedding/head
+    is whole: its record calls them TP-replicated, which DeepSpeed's universal load cannot cut
+    into vocabulary rows (the other way round it can: record_vocabulary_shards)."""
+    if vocab_parallel_head and not (folder / VOCAB_PARALLEL_HEAD).exists():
+        raise UserInputError(f"{folder} was written with engine.vocab_parallel_head=false: resume it with the same "
+                             "setting (a checkpoint written with it true resumes either way)")
 
 
 def save(ds_engine, root: str, tag: str, tp_size: int) -> None:
@@ -108,7 +125,10 @@ def load(ds_engine, root: str, tag: str, run: Layout, stage: int, grad_clip: flo
     saved = Layout.of(folder)
     if saved is None:
         raise FileNotFoundError(f"no DeepSpeed checkpoint '{tag}' under {root}")
-    check_vocab_parallel_resume(folder, saved, run, vocab_parallel_head)
+    check_vocab_parallel_resume(folder, vocab_parallel_head)
+    # A vocabulary-sharded checkpoint into a run with whole embedding/head: other shapes, even at
+    # the same layout, so through the universal conversion.
+    same_head = (folder / VOCAB_PARALLEL_HEAD).exists() == vocab_parallel_head
     if (stage == 0 and saved.zero3) or (stage == 3 and not saved.zero_shards):
         # DeepSpeed converts between ZeRO-3 and the other layouts only through its ZeRO-3
         # universal loader, which needs state a checkpoint without ZeRO never had.
@@ -126,10 +146,11 @@ def load(ds_engine, root: str, tag: str, run: Layout, stage: int, grad_clip: flo
         trained = [names[param] for group in param_groups(ds_engine.module, 0.0) for param in group["params"]]
         load_through_universal(root, tag, f"was written without ZeRO and this run has ZeRO-{stage}",
                                lambda out: unsharded_to_universal(folder, out, trained, grad_clip), into_zero)
-    elif (saved.zero_shards, saved.tp_size) == (run.zero_shards, run.tp_size):
+    elif (saved.zero_shards, saved.tp_size) == (run.zero_shards, run.tp_size) and same_head:
         native(root, tag)
     else:
-        layouts = (f"has {saved.zero_shards} ZeRO shards, this run {run.zero_shards} ranks"
+        layouts = ("holds a vocabulary-sharded embedding/head and this run whole ones" if not same_head else
+                   f"has {saved.zero_shards} ZeRO shards, this run {run.zero_shards} ranks"
                    if saved.tp_size == run.tp_size == 1 else
                    f"has {saved.zero_shards} ZeRO shards x {saved.tp_size} TP ranks, this run {run.zero_shards} x "
                    f"{run.tp_size}")

@@ -110,6 +110,8 @@ class DeepSpeedEngine(TrainEngine):
                   flush=True)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=config)
+        if self.config.vocab_parallel_head:
+            checkpoint.record_vocabulary_shards(self.engine.module)
         if self.tp_size > 1:
             group = groups.get_tensor_model_parallel_group()
             sum_partial_gradients_over_tp(self.engine.module, group)

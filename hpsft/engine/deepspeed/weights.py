@@ -7,9 +7,7 @@ from pathlib import Path
 import torch
 
 from hpsft.engine.deepspeed.layout import BF16_OPTIMIZER_STATES, Layout, UniversalState, model_states
-from hpsft.engine.deepspeed.checkpoint import VOCAB_PARALLEL_HEAD
 from hpsft.engine.deepspeed.universal import to_universal
-from hpsft.utils.errors import UserInputError
 
 
 class UniversalWeights(Mapping):
@@ -40,17 +38,13 @@ def fp32_weights(folder: Path, scratch: Path) -> Mapping[str, torch.Tensor] | No
     layout = Layout.of(folder)
     if layout is None:
         return None
-    if (folder / VOCAB_PARALLEL_HEAD).exists():
-        # Its embedding/head rows are not in AutoTP's record: the universal merge would be wrong.
-        raise UserInputError(f"{folder} was written with engine.vocab_parallel_head=true: `hpsft export` of such a "
-                             "checkpoint is not supported yet; the run's own end-of-run export writes the whole "
-                             "Hugging Face folder (or resume it at its own layout to the end)")
     if layout.universal:
         return UniversalWeights(folder)
     if layout.tp_size > 1 or any(folder.glob(BF16_OPTIMIZER_STATES)):
         # AutoTP: one model file per TP rank (zero_to_fp32 would read the first TP rank's slices
         # as whole weights). DeepSpeed's universal conversion merges each parameter's slices by
-        # the row/column/replicated patterns AutoTP recorded in the checkpoint, onto disk.
+        # the row/column/replicated patterns AutoTP recorded in the checkpoint (and the vocabulary
+        # rows of engine.vocab_parallel_head: checkpoint.record_vocabulary_shards), onto disk.
         # BF16_Optimizer's files lack the ZeRO stage zero_to_fp32 reads them by ("is not a zero
         # checkpoint"); the universal conversion reads their fp32 partitions.
         to_universal(folder, scratch / "universal")
