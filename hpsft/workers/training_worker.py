@@ -71,8 +71,12 @@ class TrainingWorker(Worker):
     def init_model(self) -> None:
         cfg = self.model_config
         # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of it.
+        # Except QLoRA's: the adapters' injection and the quantisation need each adapted layer's whole
+        # weight, so it is built whole, quantised, and deepspeed.initialize partitions the parameters
+        # left (embeddings, head, norms, adapters); the NF4 weights, buffers, stay whole on each rank.
+        model_init = None if cfg.lora.quantize_base == "nf4" else self.engine.model_init
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
-                            model_init=self.engine.model_init)
+                            model_init=model_init)
         check_supported(lm, lm.config._attn_implementation)
         # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
         # those are checked once the engine has moved (and cast) the weights; every other model
