@@ -29,7 +29,8 @@ def frozen_names(module: nn.Module) -> set[str]:
     NF4 base, hpsft/models/qlora.py), built from model.path again as frozen parameters are."""
     buffers = {f"{prefix}.{name}" if prefix else name for prefix, sub in module.named_modules()
                for name in getattr(sub, "frozen_buffers", ())}
-    return buffers | {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    params = module.named_parameters(remove_duplicate=False)
+    return buffers | {name for name, param in params if not param.requires_grad}
 
 
 @contextlib.contextmanager
