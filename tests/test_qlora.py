@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from hpsft.models.lora import base_name
-from tests.conftest import run_cli, write_parquet, write_tiny_llama
+from tests.conftest import read_metrics, run_cli, write_parquet, write_tiny_llama
 from tests.test_export import folder_weights
 from tests.test_lora import (CHECK_SCRIPT, LOGIT_RTOL, RANK, ALPHA, SEED, assert_pefts_first_steps,
-                             assert_resumes_exactly, lora_check, lora_overrides, tiny_dora_model)
+                             assert_resumes_exactly, assert_same_steps, lora_check, lora_overrides,
+                             peft_reference_steps, tiny_dora_model)
 from tests.test_spmd_training import assert_ok
 
 
@@ -72,6 +73,31 @@ def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_resumes_and_ex
     merged, final = folder_weights(tmp_path / "merged"), folder_weights(out / "hf")
     assert merged.keys() == final.keys() and all(torch.equal(merged[name], final[name]) for name in final)
     assert all(tensor.dtype == torch.float32 for tensor in final.values())  # the base folder's dtype
+
+
+BF16_RTOL = 2**-8  # bf16's relative rounding (8 significant bits): one rounding of the weights and activations
+
+
+@pytest.mark.slow
+def test_bf16_qlora_keeps_the_nf4_base_and_its_first_step_is_the_fp32_references(tmp_path, tiny_chat_model, chat_rows):
+    """engine.dtype=bfloat16, 2 ranks, ZeRO-1: DeepSpeed's bf16 cast of the module casts parameters
+    only, so the NF4 buffers stay NF4 (linear_nf4 reads them: a cast one would fail) and the
+    quantisation is the fp32 one. Step 1's loss and unclipped gradient norm equal PEFT's fp32 LoRA
+    on the NF4 round-tripped base (peft_reference_steps, nf4_base) within bf16's 2^-8 relative
+    (measured loss 9.2e-8, norm 1.4e-4 apart; the loss, ln(49152) on this random model, is
+    insensitive). Planted: the base quantised in blocks of 32 (qlora.NF4_BLOCK): the norm 0.35821
+    against 0.35496, 9.1e-3 relative, failed (the loss, 2.5e-4 off, would have passed)."""
+    train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
+    out = tmp_path / "run"
+    assert_ok(run_cli("hpsft.train", lora_overrides(tiny_chat_model, train, val, out, **{
+        "model.lora.quantize_base": "nf4", "engine.zero_stage": 1, "engine.dtype": "bfloat16",
+        "trainer.total_steps": 1, "trainer.save_every": 0, "trainer.export_hf": "false"}), nproc=2))
+    ours = {m["step"]: m for m in read_metrics(out)}
+    reference = {1: peft_reference_steps(tiny_chat_model, train, 1, nf4_base=True)[0]}
+    print("\nstep 1, bf16 vs fp32 PEFT:", ours[1]["train/loss"], reference[1]["train/loss"],
+          ours[1]["train/grad_norm"], reference[1]["train/grad_norm"])
+    assert_same_steps(ours, reference, (1,), loss_rtol=BF16_RTOL, grad_norm_rtol=BF16_RTOL)
 
 
 def qlora_model(folder, trained: bool = True):
