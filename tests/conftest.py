@@ -229,17 +229,22 @@ def tiny_chat_model(tmp_path_factory, model_path) -> str:
     template: the CLI trains it on the real chat data at a fraction of the 2-layer SmolLM2's cost
     (weights, optimizer state and checkpoints ~20x smaller). For tests that compare two paths of
     the same run and need no pretrained weights."""
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat_model"), model_path)
+
+
+def write_tiny_chat_model(folder: Path, model_path: str, intermediate_size: int = 96) -> str:
+    """tiny_chat_model's model in `folder`; a larger `intermediate_size` gives MLP weights that
+    ZeRO-3 partitions (DeepSpeed keeps a parameter under 1e5 values whole on every rank)."""
     import shutil
 
     import torch
     import transformers
 
-    folder = tmp_path_factory.mktemp("tiny_chat_model")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=2,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=49152, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+        pad_token_id=2, bos_token_id=1, eos_token_id=2,
     )).save_pretrained(folder)
     for name in TOKENIZER_FILES:
         shutil.copy(Path(model_path) / name, folder / name)

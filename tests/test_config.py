@@ -49,8 +49,6 @@ def test_config_is_frozen():
         ("model.lora.r=8", "unknown config key 'model.lora.r'; valid keys here: alpha, dropout, quantize_base, rank, "
                            "target_modules, use_dora"),
         ("model.lora.use_dora=true", "model.lora.use_dora=true needs model.lora.rank > 0"),
-        ("model.lora.rank=4 model.lora.use_dora=true engine.zero_stage=3",
-         "model.lora.use_dora=true with engine.zero_stage=3: DoRA under ZeRO-3 is not supported"),
     ],
 )
 def test_bad_config_names_the_key(override, message):

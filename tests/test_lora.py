@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, base_overrides, read_metrics, run_cli, write_parquet, write_tiny_llama
+from tests.conftest import (REPO, base_overrides, read_metrics, run_cli, write_parquet, write_tiny_chat_model,
+                            write_tiny_llama)
 from tests.test_export import folder_weights
 from tests.test_spmd_training import assert_ok, rel_diff
 
@@ -116,6 +117,23 @@ def assert_pefts_first_steps(out: Path, model_path: str, train: str, **reference
     return straight
 
 
+def assert_resumes_exactly(model_path: str, train: str, val: str, out: Path, resumed: Path, straight: dict,
+                           **overrides) -> None:
+    """The run in `out` (lora_overrides with `overrides`), resumed from its step-2 checkpoint in
+    one process into `resumed`, gives the straight run's steps 3-4 on the same tokens: loss within
+    1e-6, unclipped gradient norm within 1e-5 (fp32 rounding of a different reduction order)."""
+    checkpoint = out / "checkpoints" / "global_step_2"
+    proc = run_cli("hpsft.train", lora_overrides(model_path, train, val, resumed, **overrides, **{
+        "trainer.resume": checkpoint, "trainer.export_hf": "false"}))
+    assert_ok(proc)
+    assert f"resumed from {checkpoint} at step 2" in proc.stdout
+    again = {m["step"]: m for m in read_metrics(resumed)}
+    assert sorted(again) == [3, 4] and all(again[s]["train/tokens"] == straight[s]["train/tokens"] for s in again)
+    print("steps 3-4, resumed vs straight:", [(again[s][metric], straight[s][metric]) for s in (3, 4)
+                                               for metric in ("train/loss", "train/grad_norm")])
+    assert_same_steps(again, straight, (3, 4), loss_rtol=1e-6, grad_norm_rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_path, tiny_chat_model, chat_rows):
     """On tiny_chat_model (no pretrained weights needed: every value is compared with PEFT's,
@@ -155,14 +173,7 @@ def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_p
     assert checkpoint_bytes < model_bytes / 20
 
     # Resumed mid-way in one process, the run continues as the 2-rank one did.
-    resumed = tmp_path / "resumed"
-    proc = run_cli("hpsft.train", lora_overrides(tiny_chat_model, train, val, resumed, **{
-        "trainer.resume": checkpoint, "trainer.export_hf": "false"}))
-    assert_ok(proc)
-    assert f"resumed from {checkpoint} at step 2" in proc.stdout
-    again = {m["step"]: m for m in read_metrics(resumed)}
-    assert sorted(again) == [3, 4] and all(again[s]["train/tokens"] == straight[s]["train/tokens"] for s in again)
-    assert_same_steps(again, straight, (3, 4), loss_rtol=1e-6, grad_norm_rtol=1e-5)
+    assert_resumes_exactly(tiny_chat_model, train, val, out, tmp_path / "resumed", straight)
 
     # Other LoRA settings make another run: its checkpoint is refused, naming them.
     proc = run_cli("hpsft.train", lora_overrides(tiny_chat_model, train, val, tmp_path / "other", **{
@@ -186,19 +197,29 @@ def test_lora_under_zero3_trains_only_adapters_resumes_exactly_and_exports(tmp_p
 
 
 @pytest.mark.slow
-def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tmp_path, tiny_chat_model, chat_rows):
-    """model.lora.use_dora on tiny_chat_model, packed rows, 2 ranks under ZeRO-2 (DoRA is
-    refused under ZeRO-3): steps 1-2 equal PEFT's own DoRA model (peft_reference_steps,
-    use_dora) in the loss and the unclipped gradient norm within 1e-5 (fp32 rounding; measured
-    loss 3.7e-8, norm 9.7e-8 apart); the magnitudes train and are checkpointed, a resume in one
-    process continues the 2-rank run exactly, and the merged hf/ folder computes the adapter
-    model's logits (measured 3.1e-7), as `hpsft export`'s does bit for bit. Planted: the magnitudes frozen in add_lora (requires_grad
-    False after the injection): 28 trainable tensors, not 42; with that assertion moved after
-    the comparison, step 1's gradient norm 0.359 against PEFT's 0.388 (the magnitudes' share
-    gone)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tmp_path, tiny_chat_model, model_path,
+                                                                              chat_rows, stage):
+    """model.lora.use_dora on tiny_chat_model, packed rows, 2 ranks under ZeRO-2 and ZeRO-3 (there
+    on tiny_chat_model with a 2048-wide MLP, whose 6 MLP weights of 131,072 values ZeRO-3 shards:
+    DeepSpeed keeps a parameter under 1e5 values whole on every rank): steps 1-2 equal PEFT's own
+    DoRA model (peft_reference_steps, use_dora) in the loss and the unclipped gradient norm within
+    1e-5 (fp32 rounding; measured loss 3.7e-8, norm 9.7e-8 apart at ZeRO-2, 1.0e-7 and 3.9e-7 at
+    ZeRO-3); the magnitudes train
+    and are checkpointed, a resume in one process continues the 2-rank run exactly, and the merged
+    hf/ folder computes the adapter model's logits (measured 3.1e-7), as `hpsft export`'s does bit
+    for bit. Planted: the magnitudes frozen in add_lora (requires_grad False after the injection):
+    28 trainable tensors, not 42; with that assertion moved after the comparison, step 1's gradient
+    norm 0.359 against PEFT's 0.388 (the magnitudes' share gone). Planted (ZeRO-3): DoRA built
+    partitioned (the worker's model_init entered): the injection failed on rank 1, "The size of
+    tensor a (0) must match the size of tensor b (64)". Not caught: gather_dora_base_weights left
+    out (the test passed: DeepSpeed's default reuse distance keeps the base weight gathered from
+    the base layer's forward to the DoRA layer's)."""
     train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
     val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
-    dora = {"model.lora.use_dora": "true", "engine.zero_stage": 2}
+    if stage == 3:
+        tiny_chat_model = write_tiny_chat_model(tmp_path / "wide_mlp_model", model_path, intermediate_size=2048)
+    dora = {"model.lora.use_dora": "true", "engine.zero_stage": stage}
     out = tmp_path / "run"
     assert_ok(run_cli(None, lora_overrides(tiny_chat_model, train, val, out, **dora), nproc=2, script=CHECK_SCRIPT))
     check = lora_check(out)
@@ -208,16 +229,13 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     assert check["adapters_unchanged"] == [] and check["base_compared"] > 0 and check["base_changed"] == []
     assert check["merged_vs_adapter"] < LOGIT_RTOL and check["engine_vs_adapter"] < LOGIT_RTOL
     assert check["base_vs_adapter"] > 1e-3
+    if stage == 3:  # the DoRA layers' base weights ZeRO-3 shards: the 3 MLP ones of each layer
+        assert [n for n in check["sharded"] if ".base_layer." in n] == sorted(
+            f"model.layers.{i}.mlp.{p}_proj.base_layer.weight" for i in range(2) for p in ("down", "gate", "up"))
 
     straight = assert_pefts_first_steps(out, tiny_chat_model, train, use_dora=True)
 
-    resumed = tmp_path / "resumed"
-    checkpoint = out / "checkpoints" / "global_step_2"
-    assert_ok(run_cli("hpsft.train", lora_overrides(tiny_chat_model, train, val, resumed, **dora, **{
-        "trainer.resume": checkpoint, "trainer.export_hf": "false"})))
-    again = {m["step"]: m for m in read_metrics(resumed)}
-    assert sorted(again) == [3, 4]
-    assert_same_steps(again, straight, (3, 4), loss_rtol=1e-6, grad_norm_rtol=1e-5)
+    assert_resumes_exactly(tiny_chat_model, train, val, out, tmp_path / "resumed", straight, **dora)
     config = json.loads((out / "hf" / "adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] is True
     # `hpsft export` in one process (the adapters' layers built on meta from the fingerprint's

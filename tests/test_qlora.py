@@ -1,48 +1,71 @@
 """QLoRA (model.lora.quantize_base=nf4): the adapted layers' frozen base weights stored as
-torchao's NF4Tensor. A 2-rank ZeRO-2 run (gloo, CPU) is PEFT's LoRA on the dequantised base in
-the first steps' loss and unclipped gradient norm, its merged export is that base plus the
-adapters, and the settings it cannot run are refused by name."""
+torchao's NF4Tensor. A 2-rank run (gloo, CPU) under ZeRO-2 and under ZeRO-3 is PEFT's LoRA on the
+dequantised base in the first steps' loss and unclipped gradient norm, resumes in one process
+exactly, its merged export is that base plus the adapters, and the settings it cannot run are
+refused by name."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_cli, write_parquet, write_tiny_llama
+from hpsft.models.lora import base_name
+from tests.conftest import read_metrics, run_cli, write_parquet, write_tiny_llama
 from tests.test_export import folder_weights
-from tests.test_lora import (CHECK_SCRIPT, LOGIT_RTOL, RANK, ALPHA, SEED, assert_pefts_first_steps, lora_check,
-                             lora_overrides, tiny_dora_model)
+from tests.test_lora import (CHECK_SCRIPT, LOGIT_RTOL, RANK, ALPHA, SEED, assert_pefts_first_steps,
+                             assert_resumes_exactly, assert_same_steps, lora_check, lora_overrides,
+                             peft_reference_steps, tiny_dora_model)
 from tests.test_spmd_training import assert_ok
-
-QLORA = {"model.lora.quantize_base": "nf4", "engine.zero_stage": 2}
 
 
 @pytest.mark.slow
-def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_and_exports_merged(tmp_path, tiny_chat_model,
-                                                                                     chat_rows):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_resumes_and_exports_merged(
+        tmp_path, tiny_chat_model, chat_rows, stage):
     """tiny_chat_model, packed rows, the fused loss, 2 ranks under ZeRO-2 (DeepSpeed broadcasts
     no buffer and partitions only the adapters' optimizer state: the NF4 weights, buffers, stay
-    whole on each rank). Steps 1-2 equal PEFT's LoRA model on the base whose decoder linear
+    whole on each rank) and under ZeRO-3 (the model built whole, quantised, then partitioned by
+    deepspeed.initialize: every parameter, adapters included, partitioned; the 14 NF4 buffers stay
+    whole 4-bit on each rank). Steps 1-2 equal PEFT's LoRA model on the base whose decoder linear
     weights went through torchao's NF4 round trip (tests/nf4_reference.py), the same initial
     adapters, in one process: loss and unclipped gradient norm within 1e-5 (fp32 rounding;
-    measured loss 3.0e-9 and 9.0e-8, norm 1.2e-8 and 2.8e-7 apart). The dequantised base never
-    changes; the merged hf/ folder computes PEFT's adapter on that base within 1e-5 (measured
-    3.0e-7; the engine's logits equal it exactly), and `hpsft export`'s merge (the folder's weights
-    quantised and dequantised again) equals it bit for bit. Planted: the base quantised in blocks
-    of 32 weights, not 64 (qlora.NF4_BLOCK): the 14 NF4 base weights differ from torchao's
-    64-block round trip (base_changed), and the engine's logits are 9.1e-2 off PEFT's."""
+    measured loss 3.0e-9 and 9.0e-8 at both stages, norm 1.2e-8 and 2.8e-7 (ZeRO-2), 8.4e-8 and
+    2.5e-7 (ZeRO-3) apart). Resumed from step 2 in one process (the checkpoint holds the adapters
+    and their moments, no NF4 weight: the resume quantises model.path again), steps 3-4 equal the
+    straight run's (loss within 1e-6: measured equal at ZeRO-2, 2.2e-8 at ZeRO-3; norm within 1e-5:
+    8.3e-8 at most). The dequantised base never changes; the merged hf/ folder computes PEFT's
+    adapter on that base within 1e-5 (measured 3.0e-7; the engine's logits equal it exactly), and
+    `hpsft export`'s merge (the folder's weights quantised and dequantised again) equals it bit for
+    bit. Planted: the base quantised in blocks of 32 weights, not 64 (qlora.NF4_BLOCK): the 14 NF4
+    base weights differ from torchao's 64-block round trip (base_changed), and the engine's logits
+    are 9.1e-2 off PEFT's. Planted: the adapters' Adam moments dropped on resume (zeros in
+    universal.load_universal_without_zero), ZeRO-2: step 4's loss 10.79539 against 10.79159 (3.5e-4
+    relative). Planted: the resumed process quantising another base (the weights x1.01 before
+    to_nf4 in one process), ZeRO-3: step 3's loss 3.4e-5 off, its norm 0.3634 against 0.3585.
+    Before the fix (the NF4 buffers saved in the checkpoint) the resume failed in DeepSpeed's
+    torch.load: "Callable map_location not supported with _rebuild_wrapper_subclass"."""
     train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
     val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
     out = tmp_path / "run"
-    assert_ok(run_cli(None, lora_overrides(tiny_chat_model, train, val, out, **QLORA), nproc=2, script=CHECK_SCRIPT))
+    qlora = {"model.lora.quantize_base": "nf4", "engine.zero_stage": stage}
+    assert_ok(run_cli(None, lora_overrides(tiny_chat_model, train, val, out, **qlora), nproc=2, script=CHECK_SCRIPT))
     check = lora_check(out)
     assert check["trainable"] == check["adapters"] and len(check["adapters"]) == 2 * 7 * 2
     assert check["adapters_unchanged"] == []
     assert check["base_compared"] >= 2 * 7 and check["base_changed"] == []  # the NF4 weights among them
+    # The 14 base weights are NF4 on each rank, whole (the folder's shapes), under ZeRO-3 too,
+    # where every parameter left (embedding, norms, adapters) is partitioned.
+    shapes = {name: list(tensor.shape) for name, tensor in folder_weights(Path(tiny_chat_model)).items()}
+    assert len(check["nf4_buffers"]) == 2 * 7
+    assert all(shape == shapes[base_name(name)] for name, shape in check["nf4_buffers"].items())
+    assert len(check["partitioned"]) == (len(check["adapters"]) + len(shapes) - 2 * 7 if stage == 3 else 0)
     assert check["merged_vs_adapter"] < LOGIT_RTOL and check["engine_vs_adapter"] < LOGIT_RTOL
     assert check["base_vs_adapter"] > 1e-3
 
-    assert_pefts_first_steps(out, tiny_chat_model, train, nf4_base=True)
+    straight = assert_pefts_first_steps(out, tiny_chat_model, train, nf4_base=True)
+    # Resumed from step 2 in one process (the NF4 buffers and the adapters' moments from the checkpoint).
+    assert_resumes_exactly(tiny_chat_model, train, val, out, tmp_path / "resumed", straight, **qlora)
 
     config = json.loads((out / "checkpoints" / "global_step_4" / "run_fingerprint.json").read_text())
     assert config["model.lora"]["quantize_base"] == "nf4"
@@ -50,6 +73,31 @@ def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_and_exports_me
     merged, final = folder_weights(tmp_path / "merged"), folder_weights(out / "hf")
     assert merged.keys() == final.keys() and all(torch.equal(merged[name], final[name]) for name in final)
     assert all(tensor.dtype == torch.float32 for tensor in final.values())  # the base folder's dtype
+
+
+BF16_RTOL = 2**-8  # bf16's relative rounding (8 significant bits): one rounding of the weights and activations
+
+
+@pytest.mark.slow
+def test_bf16_qlora_keeps_the_nf4_base_and_its_first_step_is_the_fp32_references(tmp_path, tiny_chat_model, chat_rows):
+    """engine.dtype=bfloat16, 2 ranks, ZeRO-1: DeepSpeed's bf16 cast of the module casts parameters
+    only, so the NF4 buffers stay NF4 (linear_nf4 reads them: a cast one would fail) and the
+    quantisation is the fp32 one. Step 1's loss and unclipped gradient norm equal PEFT's fp32 LoRA
+    on the NF4 round-tripped base (peft_reference_steps, nf4_base) within bf16's 2^-8 relative
+    (measured loss 9.2e-8, norm 1.4e-4 apart; the loss, ln(49152) on this random model, is
+    insensitive). Planted: the base quantised in blocks of 32 (qlora.NF4_BLOCK): the norm 0.35821
+    against 0.35496, 9.1e-3 relative, failed (the loss, 2.5e-4 off, would have passed)."""
+    train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
+    val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
+    out = tmp_path / "run"
+    assert_ok(run_cli("hpsft.train", lora_overrides(tiny_chat_model, train, val, out, **{
+        "model.lora.quantize_base": "nf4", "engine.zero_stage": 1, "engine.dtype": "bfloat16",
+        "trainer.total_steps": 1, "trainer.save_every": 0, "trainer.export_hf": "false"}), nproc=2))
+    ours = {m["step"]: m for m in read_metrics(out)}
+    reference = {1: peft_reference_steps(tiny_chat_model, train, 1, nf4_base=True)[0]}
+    print("\nstep 1, bf16 vs fp32 PEFT:", ours[1]["train/loss"], reference[1]["train/loss"],
+          ours[1]["train/grad_norm"], reference[1]["train/grad_norm"])
+    assert_same_steps(ours, reference, (1,), loss_rtol=BF16_RTOL, grad_norm_rtol=BF16_RTOL)
 
 
 def qlora_model(folder, trained: bool = True):
@@ -108,14 +156,11 @@ def test_qlora_merge_is_the_dequantised_base_plus_the_adapters_and_an_untrained_
     (["model.lora.rank=0", "model.lora.quantize_base=nf4"], "model.lora.quantize_base=nf4 needs model.lora.rank > 0"),
     (["model.lora.use_dora=true", "model.lora.quantize_base=nf4"], "with model.lora.use_dora=true: DoRA on a "
      "quantised base is not supported; set model.lora.quantize_base=none"),
-    (["model.lora.quantize_base=nf4", "engine.zero_stage=3"], "model.lora.quantize_base=nf4 with "
-     "engine.zero_stage=3: a quantised base under ZeRO-3 is not supported; use engine.zero_stage 0, 1 or 2"),
     (["model.lora.quantize_base=nf4", "engine.name=megatron"], "model.lora.rank=4, model.lora.quantize_base=nf4 "
      "with engine.name=megatron: not on the Megatron engine yet"),
-], ids=["int8", "unknown", "no-rank", "dora", "zero3", "megatron"])
+], ids=["int8", "unknown", "no-rank", "dora", "megatron"])
 def test_quantize_base_settings_it_cannot_run_are_refused_by_name(overrides, message):
-    """Planted: the int8 branch removed: the generic 'not one of' message instead (int8);
-    the ZeRO-3 check removed: DID NOT RAISE (zero3)."""
+    """Planted: the int8 branch removed: the generic 'not one of' message instead (int8)."""
     from hpsft.config import load_config
 
     with pytest.raises(ValueError) as err:

@@ -490,18 +490,6 @@ class SFTConfig:
                 if value:
                     raise ValueError(f"{keys} with engine.name=megatron: not on the Megatron engine yet; "
                                      "use engine.name=deepspeed")
-        if lora.quantize_base != "none" and self.engine.zero_stage == 3:
-            # Under ZeRO-3 the base model is built partitioned, before the adapters: each rank holds
-            # an empty placeholder of every base weight. Tried at 2 ranks: the quantised placeholder
-            # failed in the first forward ("size mismatch, got input (33), mat (33x64), vec (0)").
-            raise ValueError(f"model.lora.quantize_base={lora.quantize_base} with engine.zero_stage=3: a quantised "
-                             "base under ZeRO-3 is not supported; use engine.zero_stage 0, 1 or 2")
-        if lora.use_dora and self.engine.zero_stage == 3:
-            # PEFT's DoRA layer reads its base layer's whole weight (the magnitude's norm) outside
-            # that layer's forward, where ZeRO-3 holds a shard: tried at 2 ranks, the injection
-            # failed on the empty partitioned weight ("size of tensor a (0) must match ... 64").
-            raise ValueError("model.lora.use_dora=true with engine.zero_stage=3: DoRA under ZeRO-3 is not supported; "
-                             "use engine.zero_stage 0, 1 or 2")
         tp = self.engine.tensor_parallel_size
         if tp > 1 and self.model.lora.rank:
             # AutoTP would shard the base layers PEFT wraps: not shown exact, so not run.

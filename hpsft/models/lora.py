@@ -70,6 +70,20 @@ def add_lora(lm: nn.Module, lora_config, seed: int) -> nn.Module:
     return lm
 
 
+def gather_dora_base_weights(lm: nn.Module) -> None:
+    """Under ZeRO-3, each DoRA magnitude's forward gathers its layer's base weight: PEFT's DoRA
+    layer reads that weight (for the rows' norms) outside the base layer's own forward, where
+    ZeRO-3 would hand it the empty partition (DeepSpeed's external parameters). Not shown needed:
+    with DeepSpeed's default reuse distance the weight stayed gathered from the base layer's forward,
+    which runs just before (tests/test_lora.py passed without this)."""
+    import deepspeed
+
+    for layer in lora_layers(lm).values():
+        if layer.use_dora[ADAPTER]:
+            deepspeed.zero.register_external_parameter(layer.lora_magnitude_vector[ADAPTER],
+                                                       layer.get_base_layer().weight)
+
+
 def check_adapted_layers(lm: nn.Module, lora_config) -> None:
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -61,6 +61,11 @@ def dequantized(name: str, weight: torch.Tensor) -> torch.Tensor:
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is an NF4Tensor (torchtune's LoRALinear base path)."""
 
+    # Left out of checkpoints (engine/deepspeed/checkpoint.frozen_names), as frozen parameters are:
+    # a resume quantises model.path's weights again, bit for bit; and DeepSpeed's torch.load of an
+    # NF4Tensor failed ("Callable map_location not supported with _rebuild_wrapper_subclass").
+    frozen_buffers = ("weight",)
+
     def __init__(self, name: str, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

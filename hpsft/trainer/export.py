@@ -77,14 +77,13 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
     merged in."""
     from safetensors import safe_open
 
-    from hpsft.models.lora import BASE_LAYER, adapter_names, base_name, lora_layers, merged_weights
+    from hpsft.models.lora import adapter_names, base_name, merged_weights
     from hpsft.models.partitioned import weight_files
 
     names = adapter_names(lm)
-    # A QLoRA checkpoint also holds the NF4 base weights (buffers, which DeepSpeed saves); the
+    # A QLoRA checkpoint holds no NF4 base weight (frozen, left out as frozen parameters are): the
     # merge reads the folder's and quantises them again, as training did (bit for bit the same).
-    quantized = {f"{prefix}{BASE_LAYER}weight" for prefix in lora_layers(lm)} if quantize_base == "nf4" else set()
-    lazy = checkpoint_tensors(checkpoint, set(names) | quantized, scratch)
+    lazy = checkpoint_tensors(checkpoint, set(names), scratch)
     if adapter_only:
         return {name: lazy[name].contiguous() for name in names}
     files = weight_files(folder, "for a LoRA export (base weights read tensor by tensor)")
@@ -95,7 +94,7 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
 
     def adapted_model_weights():
         for name in weight_names(lm):
-            if name in lazy and name not in quantized:
+            if name in lazy:
                 yield name, lazy[name].contiguous()
                 continue
             with safe_open(file_of[base_name(name)], framework="pt") as f:

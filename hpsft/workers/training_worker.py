@@ -30,7 +30,8 @@ from hpsft.engine import TrainEngine, build_engine
 from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
-from hpsft.models.lora import add_lora, adapter_names, describe, merged_weights, write_adapter_folder
+from hpsft.models.lora import (add_lora, adapter_names, describe, gather_dora_base_weights, merged_weights,
+                               write_adapter_folder)
 from hpsft.models.qlora import quantize_base_layers
 from hpsft.models.packed_vision_lm import PackedVisionLM, check_vision_supported, is_vision_language
 from hpsft.models.partitioned import is_partitioned
@@ -73,8 +74,13 @@ class TrainingWorker(Worker):
     def init_model(self) -> None:
         cfg = self.model_config
         # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of it.
+        # Except QLoRA's and DoRA's: the quantisation and DoRA's magnitudes (the rows' norms) need each
+        # adapted layer's whole weight, so it is built whole and deepspeed.initialize partitions it
+        # (QLoRA: the parameters left, embeddings, head, norms, adapters; its NF4 weights, buffers,
+        # stay whole on each rank).
+        model_init = None if cfg.lora.quantize_base == "nf4" or cfg.lora.use_dora else self.engine.model_init
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
-                            model_init=self.engine.model_init)
+                            model_init=model_init)
         vision = is_vision_language(lm)
         text_config = lm.config.get_text_config()  # a vision-language model's decoder's (else the model's own)
         if vision:
@@ -105,6 +111,8 @@ class TrainingWorker(Worker):
             # model computes the same; under ZeRO-3 the base stays partitioned and DeepSpeed
             # partitions the new adapter parameters (broadcast from rank 0) when it wraps the model.
             add_lora(lm, cfg.lora, self.seed)
+            if cfg.lora.use_dora and self.engine_config.zero_stage == 3:
+                gather_dora_base_weights(lm)
             if cfg.lora.quantize_base == "nf4":  # QLoRA: the adapted layers' frozen weights stored 4-bit
                 quantize_base_layers(lm)
             if distributed.rank() == 0:

@@ -46,6 +46,11 @@ def main() -> None:
     names = [name for name, _ in module.named_parameters()]
     if config.model.lora.quantize_base == "nf4":  # the NF4 base weights are buffers
         names += [name for name, _ in module.named_buffers() if name.endswith(".base_layer.weight")]
+    # QLoRA's NF4 weights as this rank holds them (whole under ZeRO-3 too), and which parameters ZeRO-3 partitioned.
+    nf4_buffers = {name: list(b.shape) for name, b in module.named_buffers() if type(b).__name__ == "NF4Tensor"}
+    partitioned = sorted(name for name, p in module.named_parameters() if hasattr(p, "ds_id"))
+    # Of those, the ones each rank holds a shard of (DeepSpeed keeps those under its persistence threshold whole).
+    sharded = sorted(name for name, p in module.named_parameters() if hasattr(p, "ds_id") and not p.ds_persist)
     current = dict(engine.gathered_tensors(names))  # every rank takes part (ZeRO-3 gathers)
     sample = trainer.val_dataset[0]["input_ids"][None]
     positions = torch.arange(sample.shape[1])[None]
@@ -101,6 +106,9 @@ def main() -> None:
         "merged_vs_adapter": rel(merged_logits, adapter_logits),
         "engine_vs_adapter": rel(engine_logits, adapter_logits),
         "base_vs_adapter": rel(base_logits, adapter_logits),
+        "nf4_buffers": nf4_buffers,
+        "partitioned": partitioned,
+        "sharded": sharded,
     }))
 
 

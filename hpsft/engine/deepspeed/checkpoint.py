@@ -29,13 +29,18 @@ from hpsft.utils.errors import UserInputError
 
 
 def frozen_names(module: nn.Module) -> set[str]:
-    """Every name under which a frozen parameter appears in the state dict (a tied one under each)."""
-    return {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    """Every name under which a frozen parameter appears in the state dict (a tied one under each),
+    and the buffers a module names in its `frozen_buffers`: frozen weights held as buffers (QLoRA's
+    NF4 base, hpsft/models/qlora.py), built from model.path again as frozen parameters are."""
+    buffers = {f"{prefix}.{name}" if prefix else name for prefix, sub in module.named_modules()
+               for name in getattr(sub, "frozen_buffers", ())}
+    params = module.named_parameters(remove_duplicate=False)
+    return buffers | {name for name, param in params if not param.requires_grad}
 
 
 @contextlib.contextmanager
 def frozen_parameters_left_out(module: nn.Module):
-    """While a checkpoint is saved, the module's state dict holds no frozen parameter.
+    """While a checkpoint is saved, the module's state dict holds no frozen parameter (nor frozen buffer).
     DeepSpeed's own exclude_frozen_parameters misses a tied weight's second name (e.g. a frozen
     lm_head.weight tied to the embedding), which would store the whole embedding."""
     frozen = frozen_names(module)
@@ -52,7 +57,7 @@ def frozen_parameters_left_out(module: nn.Module):
 
 
 def load_trained_state(src: dict, dst: nn.Module) -> None:
-    """Load a checkpoint's module state: every state entry but the frozen parameters, strictly."""
+    """Load a checkpoint's module state: every state entry but the frozen parameters and buffers, strictly."""
     result = dst.load_state_dict(src, strict=False)
     missing = set(result.missing_keys) - frozen_names(dst)
     if missing or result.unexpected_keys:
