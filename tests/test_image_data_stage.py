@@ -269,14 +269,17 @@ def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_sta
     micro-batch, the ranks' micro-batches with and without images): 2 ranks under ZeRO-2 give each
     step's loss and unclipped grad norm of one process (fp32, <= 1e-5 relative). With
     model.freeze_vision=true the exported vision tower (and its merger) is bit-identical to the
-    folder's while the decoder moved. ZeRO-3 is refused naming engine.zero_stage before any data is
+    folder's while the decoder moved, and the export's image processor (its preprocessor_config.json,
+    copied from the model folder) has the folder's settings. ZeRO-3 is refused naming engine.zero_stage before any data is
     prepared. Measured: losses 10.7837284 / 10.4840388 (one process) vs 10.7837288 / 10.4840393,
     grad norms 4.86445379 / 2.93442845 vs 4.86445379 / 2.93442893 (rel <= 1.6e-7). Planted bugs:
     - SourcedDataset.__getitem__ dropping the store items' images (as it did before this change)
       -> the one-process run failed (ValueError "sequence 0 has 24 image placeholder tokens, which
       are not the tokens of whole images 0.. of the row (tokens per image [])");
     - the worker building PackedVisionLM with freeze_vision=False whatever the config -> the
-      tower-unchanged assertion failed (the exported tower's weights had moved)."""
+      tower-unchanged assertion failed (the exported tower's weights had moved);
+    - the worker's export not given the model folder (no processor files copied) -> OSError
+      from AutoImageProcessor on the exported hf/ (no preprocessor_config.json)."""
     from tests.conftest import assert_ok, rel_diff, run_cli
 
     model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
@@ -295,6 +298,11 @@ def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_sta
     assert all(torch_equal(before[name], after[name]) for name in tower)
     decoder = [name for name in before if "language_model.layers.0.mlp" in name]
     assert decoder and not any(torch_equal(before[name], after[name]) for name in decoder)
+    # The export carries the folder's image processor (AutoProcessor itself needs torchvision, absent here).
+    from transformers import AutoImageProcessor
+
+    exported = AutoImageProcessor.from_pretrained(tmp_path / "frozen" / "hf").to_dict()
+    assert exported == AutoImageProcessor.from_pretrained(model).to_dict(), exported
     refused = run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / "zero3", **{"engine.zero_stage": 3}))
     assert refused.returncode != 0 and "does not train with engine.zero_stage=3 yet" in refused.stderr, \
         refused.stderr[-2000:]
@@ -336,3 +344,4 @@ def test_inspect_data_shows_where_each_images_tokens_go(image_data, tmp_path, vl
                     f"({n} image tokens")
             assert line in out, (line, out[-3000:])
         assert f"{IMAGE_PAD}x{int(store[row]['image_grid_thw'][0].prod()) // 4}" in out
+
