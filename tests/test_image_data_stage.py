@@ -269,14 +269,18 @@ def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_sta
     micro-batch, the ranks' micro-batches with and without images): 2 ranks under ZeRO-2 give each
     step's loss and unclipped grad norm of one process (fp32, <= 1e-5 relative). With
     model.freeze_vision=true the exported vision tower (and its merger) is bit-identical to the
-    folder's while the decoder moved. ZeRO-3 is refused naming engine.zero_stage before any data is
-    prepared. Measured: losses 10.7837284 / 10.4840388 (one process) vs 10.7837288 / 10.4840393,
-    grad norms 4.86445379 / 2.93442845 vs 4.86445379 / 2.93442893 (rel <= 1.6e-7). Planted bugs:
+    folder's while the decoder moved, and the export's image processor (its preprocessor_config.json,
+    copied from the model folder) has the folder's settings. ZeRO-3 is refused naming
+    engine.zero_stage before any data is prepared. Measured: losses 10.7837284 / 10.4840388 (one
+    process) vs 10.7837288 / 10.4840393, grad norms 4.86445379 / 2.93442845 vs 4.86445379 /
+    2.93442893 (rel <= 1.6e-7). Planted bugs:
     - SourcedDataset.__getitem__ dropping the store items' images (as it did before this change)
       -> the one-process run failed (ValueError "sequence 0 has 24 image placeholder tokens, which
       are not the tokens of whole images 0.. of the row (tokens per image [])");
     - the worker building PackedVisionLM with freeze_vision=False whatever the config -> the
-      tower-unchanged assertion failed (the exported tower's weights had moved)."""
+      tower-unchanged assertion failed (the exported tower's weights had moved);
+    - the worker's export not given the model folder (no processor files copied) -> OSError
+      from AutoImageProcessor on the exported hf/ (no preprocessor_config.json)."""
     from tests.conftest import assert_ok, rel_diff, run_cli
 
     model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
@@ -295,6 +299,11 @@ def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_sta
     assert all(torch_equal(before[name], after[name]) for name in tower)
     decoder = [name for name in before if "language_model.layers.0.mlp" in name]
     assert decoder and not any(torch_equal(before[name], after[name]) for name in decoder)
+    # The export carries the folder's image processor (AutoProcessor itself needs torchvision, absent here).
+    from transformers import AutoImageProcessor
+
+    exported = AutoImageProcessor.from_pretrained(tmp_path / "frozen" / "hf").to_dict()
+    assert exported == AutoImageProcessor.from_pretrained(model).to_dict(), exported
     refused = run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / "zero3", **{"engine.zero_stage": 3}))
     assert refused.returncode != 0 and "does not train with engine.zero_stage=3 yet" in refused.stderr, \
         refused.stderr[-2000:]
@@ -336,3 +345,70 @@ def test_inspect_data_shows_where_each_images_tokens_go(image_data, tmp_path, vl
                     f"({n} image tokens")
             assert line in out, (line, out[-3000:])
         assert f"{IMAGE_PAD}x{int(store[row]['image_grid_thw'][0].prod()) // 4}" in out
+
+
+def own_next_token_logits(folder: Path, tokenizer, photo: Path, prompt: str):
+    """The tiny model's logits at the last prompt position, inputs built here from the processor's
+    own call and Qwen2-VL's placeholder rule (one <|vision_start|>, grid_t*grid_h*grid_w / 2**2
+    <|image_pad|>, <|vision_end|> before the text), independently of hpsft/models/generation.py."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    processed = image_processor()(images=Image.open(photo).convert("RGB"), return_tensors="pt")
+    tokens = int(processed["image_grid_thw"].prod()) // 4
+    text = VISION_START + IMAGE_PAD * tokens + VISION_END + prompt
+    input_ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True)["input_ids"]
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids, pixel_values=processed["pixel_values"],
+                     image_grid_thw=processed["image_grid_thw"],
+                     mm_token_type_ids=(input_ids == model.config.image_token_id).int()).logits[0, -1]
+
+
+def test_generate_with_an_image_gives_the_models_own_greedy_next_token(image_data, tmp_path, vl_tokenizer, capsys):
+    """Greedy generation with an image on a tiny Qwen2-VL folder (hpsft/models/generation.py, the
+    folder loaded as `hpsft generate` loads it): for each of two photographs the first generated
+    token is the argmax of the model's own forward logits at the prompt's last position, inputs
+    built independently (own_next_token_logits), and the two photographs' logits differ
+    (max |diff| > 1e-3), so the image reaches the model. `hpsft generate --image` prints the
+    reply under the image and prompt. Measured: max |logit diff| astronaut vs coffee 0.180 (both argmax 32315).
+    Planted bug: prompt_inputs not handing the pixel_values to the model -> the astronaut's first token 22388, the
+    argmax 32315 (logits 0.6223 vs 0.6548)."""
+    from hpsft.commands.generate import main
+    from hpsft.models.generation import generated_tokens, load_for_generation
+    from hpsft.models.loading import load_image_processor
+
+    folder = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
+    model, tokenizer = load_for_generation(Path(folder))
+    prompt, logits = "What is in this picture?", {}
+    for name in ("astronaut.jpg", "coffee.png"):
+        photo = image_data.parent / "imgs" / name
+        logits[name] = own_next_token_logits(Path(folder), vl_tokenizer, photo, prompt)
+        first = generated_tokens(model, tokenizer, [{"role": "user", "content": prompt}], 1, 0.0, [photo],
+                                 load_image_processor(folder))
+        assert first.tolist() == [int(logits[name].argmax())], (first, logits[name].topk(2))
+    diff = float((logits["astronaut.jpg"] - logits["coffee.png"]).abs().max())
+    assert diff > 1e-3, diff
+    assert main([folder, "--image", str(photo), "--prompt", prompt, "--max-new-tokens", "2"]) == 0
+    assert f"### user\n[image {photo}]\n{prompt}\n### assistant\n" in capsys.readouterr().out
+
+
+def test_generate_refuses_an_image_with_several_prompts_or_a_text_model(image_data, tmp_path, vl_tokenizer,
+                                                                        capsys):
+    """--image with two --prompt is refused naming --image and --prompt; --image on a text model
+    folder is refused naming --image and the missing vision_config, both before any model loads; a
+    missing image file is refused naming --image and the file.
+    Planted bug: the text-model check removed -> the misleading "model.path=... is a
+    vision-language model without a usable image processor" error instead."""
+    from hpsft.commands.generate import main
+
+    photo = str(image_data.parent / "imgs" / "camera.png")
+    folder = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
+    assert main([folder, "--image", photo, "--prompt", "a", "--prompt", "b"]) == 2
+    assert "--image goes with one --prompt, got 2 prompts" in capsys.readouterr().err
+    assert main([str(TEST_MODEL), "--image", photo, "--prompt", "a"]) == 2
+    err = capsys.readouterr().err
+    assert "--image:" in err and "is a text model (its config.json has no vision_config)" in err, err
+    assert main([folder, "--image", str(tmp_path / "nowhere.png"), "--prompt", "a"]) == 2
+    assert "--image: image " in (err := capsys.readouterr().err) and "nowhere.png' not found" in err, err

@@ -22,6 +22,10 @@ from torch import nn
 from hpsft.utils.files import umask_mode
 
 DEFAULT_MAX_SHARD_MB = 1024
+# What AutoProcessor reads besides the tokenizer (a vision-language folder's image processor,
+# its processor settings and chat template): copied as they are, since the run does not change them.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
+                   "chat_template.jinja", "video_preprocessor_config.json")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -75,15 +79,27 @@ def write_safetensors_shards(weights: Iterable[tuple[str, torch.Tensor]], folder
 
 
 def write_hf_folder(config, generation_config, weights: Iterator[tuple[str, torch.Tensor]], tokenizer,
-                    out_dir: Path, max_shard_mb: int = DEFAULT_MAX_SHARD_MB) -> None:
+                    out_dir: Path, max_shard_mb: int = DEFAULT_MAX_SHARD_MB,
+                    model_folder: str | Path | None = None) -> None:
     """Save config, weights and tokenizer (with its chat template) so that
-    `from_pretrained(out_dir)` loads them, written whole or not at all (see written_whole)."""
+    `from_pretrained(out_dir)` loads them, written whole or not at all (see written_whole); the
+    processor files `model_folder` has (PROCESSOR_FILES) are copied, so that AutoProcessor loads
+    the folder of a vision-language run."""
     with written_whole(out_dir) as tmp:
         config.save_pretrained(tmp)
         if generation_config is not None:
             generation_config.save_pretrained(tmp)
         write_safetensors_shards(weights, tmp, max_shard_mb)
         tokenizer.save_pretrained(tmp)
+        if model_folder is not None:
+            copy_processor_files(Path(model_folder), tmp)
+
+
+def copy_processor_files(model_folder: Path, out_dir: Path) -> None:
+    """The PROCESSOR_FILES of `model_folder` (those it has) into `out_dir`."""
+    for name in PROCESSOR_FILES:
+        if (model_folder / name).is_file():
+            shutil.copyfile(model_folder / name, out_dir / name)
 
 
 @contextlib.contextmanager

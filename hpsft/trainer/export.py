@@ -159,5 +159,5 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
         if adapter_only:
             write_adapter_folder(lm, weights, str(folder), tokenizer, out)
         else:
-            write_hf_folder(model_config, generation_config, weights, tokenizer, out, max_shard_mb)
+            write_hf_folder(model_config, generation_config, weights, tokenizer, out, max_shard_mb, folder)
     return checkpoint

@@ -272,7 +272,8 @@ class TrainingWorker(Worker):
         if distributed.rank() == 0:
             tensors = progress_bar(progress, iterable=tensors, total=len(names), desc="export", unit="tensor")
             write_hf_folder(lm.config, lm.generation_config if lm.can_generate() else None,
-                            merged_weights(lm, tensors, self.model_config.lora.quantize_base) if lora else tensors, tokenizer, Path(out_dir), max_shard_mb)
+                            merged_weights(lm, tensors, self.model_config.lora.quantize_base) if lora else tensors, tokenizer, Path(out_dir), max_shard_mb,
+                            self.model_config.path)
         else:
             for _ in tensors:  # take part in every gather
                 pass
