@@ -10,6 +10,7 @@ import re
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -381,7 +382,7 @@ def test_tp2_cli_run_equals_one_process_and_exports_whole_weights(tmp_path, cli_
     assert_same_steps(train_steps(tp2), train_steps(one), [1, 2, 3], rtol=1e-5)
     assert rel(m2[-1]["val/loss"], m1[-1]["val/loss"]) < 1e-5
     assert min(m["train/grad_norm"] for m in m1) > CLI_GRAD_CLIP  # clipping binds at every step
-    figures = export_differences(tp2 / "hf", cli_runs)  # loads strictly
+    figures = export_differences(tp2 / "hf", cli_exports(cli_runs))  # loads strictly
     print(f"export vs the one-process run's {figures['one']:.1e}")
     assert figures["one"] < 1e-6, figures
     # Its step-1 checkpoint resumed under TP=2 trains steps 2 and 3 as the straight run did.
@@ -455,7 +456,7 @@ def test_tp2_cli_run_with_the_vocabulary_parallel_head_equals_one_process(tmp_pa
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert_same_steps(train_steps(run), train_steps(one), [1, 2, 3], rtol=1e-5)
     assert rel(read_metrics(run)[-1]["val/loss"], read_metrics(one)[-1]["val/loss"]) < 1e-5
-    figures = export_differences(run / "hf", cli_runs)  # loads strictly
+    figures = export_differences(run / "hf", cli_exports(cli_runs))  # loads strictly
     print(f"vocab-parallel export vs the one-process run's {figures['one']:.1e}")
     assert figures["one"] < 1e-6, figures
     checkpoint = run / "checkpoints" / "global_step_1"
@@ -471,9 +472,7 @@ def test_tp2_cli_run_with_the_vocabulary_parallel_head_equals_one_process(tmp_pa
     exported = tmp_path / "exported"
     proc = run_cli("hpsft.export", [str(run / "checkpoints" / "global_step_3"), str(exported)])
     assert proc.returncode == 0, proc.stderr[-6000:]
-    ours, theirs = load_file(exported / "model.safetensors"), load_file(run / "hf" / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    worst = max(float((ours[k] - w).norm() / w.norm()) for k, w in theirs.items())
+    worst = export_differences(exported, {"own": run / "hf"})["own"]
     print(f"hpsft export of the vocabulary-sharded checkpoint vs the run's own export {worst:.1e}")
     assert worst < 1e-6
 
@@ -529,7 +528,7 @@ def test_dp2_x_tp2_cli_run_equals_one_process(tmp_path, cli_runs):
             "rank 1: dp 0, tp 1, sp 0; rank 2: dp 1, tp 0, sp 0; rank 3: dp 1, tp 1, sp 0") in proc.stdout
     assert_same_steps(train_steps(out), train_steps(cli_runs.one), [1, 2, 3], rtol=1e-5)
     assert rel(read_metrics(out)[-1]["val/loss"], read_metrics(cli_runs.one)[-1]["val/loss"]) < 1e-5
-    figures = export_differences(out / "hf", cli_runs)
+    figures = export_differences(out / "hf", cli_exports(cli_runs))
     print(f"DP=2 x TP=2 export vs the one-process run's {figures['one']:.1e}")
     assert figures["one"] < 1e-6, figures
 
@@ -578,18 +577,22 @@ def test_tp2_checkpoint_resumes_without_tp_as_the_one_process_run(tmp_path, cli_
         assert_same_steps(train_steps(tp2_from_dp2), train_steps(cli_runs.one), [3], rtol=1e-5)
 
 
-def export_differences(folder, cli_runs) -> dict[str, float]:
+def export_differences(folder, references: dict[str, Path]) -> dict[str, float]:
     """The Hugging Face folder loaded into the model class with strict=True, and its largest
-    per-tensor relative difference from the exports of cli_runs' TP=2 run ("tp2") and one-process
-    run ("one")."""
+    per-tensor relative difference from each named reference folder's model.safetensors."""
     exported = load_file(folder / "model.safetensors")
     LlamaForCausalLM(LlamaConfig.from_pretrained(folder)).load_state_dict(exported, strict=True)
     figures = {}
-    for run in ("tp2", "one"):
-        reference = load_file(getattr(cli_runs, run) / "hf" / "model.safetensors")
+    for name, reference_folder in references.items():
+        reference = load_file(reference_folder / "model.safetensors")
         assert exported.keys() == reference.keys()
-        figures[run] = max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items())
+        figures[name] = max(float((exported[k] - w).norm() / w.norm()) for k, w in reference.items())
     return figures
+
+
+def cli_exports(cli_runs) -> dict[str, Path]:
+    """The end-of-run exports of cli_runs' TP=2 run ("tp2") and one-process run ("one")."""
+    return {"tp2": cli_runs.tp2 / "hf", "one": cli_runs.one / "hf"}
 
 
 @pytest.mark.slow
@@ -604,7 +607,7 @@ def test_hpsft_export_of_a_tp2_checkpoint_writes_whole_weights(tmp_path, cli_run
     proc = run_cli("hpsft.export", [str(cli_runs.tp2 / "checkpoints" / "global_step_3"), str(out)])
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]  # the scratch folder is gone
-    figures = export_differences(out, cli_runs)
+    figures = export_differences(out, cli_exports(cli_runs))
     print(f"export vs the TP=2 run's own {figures['tp2']:.1e}, vs the one-process run's {figures['one']:.1e}")
     assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-6, figures
 
@@ -652,7 +655,7 @@ def test_tp2_on_ray_equals_one_process(tmp_path, cli_runs, sp):
     # Its checkpoints record the run's layout, which a resume at TP=2 (Ray or SPMD) checks.
     state = CheckpointManager.load_trainer_state(on_ray / "checkpoints" / "global_step_3")
     assert (state["mode"], state["dp_size"], state["tp_size"], state["sp_size"]) == ("ray", 1, 2, sp)
-    figures = export_differences(on_ray / "hf", cli_runs)
+    figures = export_differences(on_ray / "hf", cli_exports(cli_runs))
     print(f"Ray TP=2 x SP={sp} export vs the SPMD TP=2 run's {figures['tp2']:.1e}, vs the one-process run's "
           f"{figures['one']:.1e}")
     assert figures["tp2"] <= 1e-6 and figures["one"] < 1e-6, figures

@@ -79,13 +79,14 @@ def record_vocabulary_shards(module: nn.Module) -> None:
     padding (DeepSpeed's vocabulary-tensor path), and a load at any TP size, sharded or not,
     pads and cuts them again."""
     info = getattr(module, UNIVERSAL_CHECKPOINT_INFO)
-    sharded = {name: vocab_rows_of(param) for name, param in module.named_parameters() if vocab_rows_of(param)}
-    patterns = [rf"^{re.escape(name)}$" for name in sharded]
-    info[TP_REPLICATED_PARAMETER_PATTERNS] = [
-        pattern for pattern in info[TP_REPLICATED_PARAMETER_PATTERNS] if not any(re.match(pattern, n) for n in sharded)]
-    for pattern in list(info.get(AFFINE_MAP, {}).get(AFFINE_MAP_PARAMS, {})):
-        if any(re.match(pattern, name) for name in sharded):
-            del info[AFFINE_MAP][AFFINE_MAP_PARAMS][pattern]
+    sharded = {name: rows for name, param in module.named_parameters() if (rows := vocab_rows_of(param))}
+    # AutoTP's patterns are each one parameter's exact name (`^name$`), so the shards' own
+    # patterns are the entries to move.
+    patterns = {rf"^{re.escape(name)}$" for name in sharded}
+    info[TP_REPLICATED_PARAMETER_PATTERNS] = [p for p in info[TP_REPLICATED_PARAMETER_PATTERNS] if p not in patterns]
+    affine_params = info.get(AFFINE_MAP, {}).get(AFFINE_MAP_PARAMS, {})
+    for pattern in patterns:
+        affine_params.pop(pattern, None)
     info[VOCABULARY_PARAMETER_PATTERNS] = sorted(set(info[VOCABULARY_PARAMETER_PATTERNS]) | set(patterns))
     info[ORIGINAL_VOCAB_SIZE] = next(iter(sharded.values())).vocab_size
 
