@@ -412,3 +412,49 @@ def test_generate_refuses_an_image_with_several_prompts_or_a_text_model(image_da
     assert "--image:" in err and "is a text model (its config.json has no vision_config)" in err, err
     assert main([folder, "--image", str(tmp_path / "nowhere.png"), "--prompt", "a"]) == 2
     assert "--image: image " in (err := capsys.readouterr().err) and "nowhere.png' not found" in err, err
+
+
+def test_an_image_replaced_in_place_prepares_its_shards_again_and_an_unchanged_store_is_reused(
+        image_data, tmp_path, vl_tokenizer, capsys):
+    """The images are the store key's second part (preparation.py: each shard's sidecar holds the
+    path, size and mtime_ns of the images it read). Prepared once (~12 shards), then again unchanged:
+    reused, nothing tokenized. Then imgs/chelsea.jpg (rows 1, 4, ...) is overwritten with another
+    photograph of another size: the rerun prepares exactly the shards whose rows show it, names the
+    image, and the store then holds the new image's patches (== the processor's own call on the new
+    file), in the same store folder. Planted bug: changed_image always None (the key ignores the
+    images) -> the rerun printed only the store's summary line, no "image ... changed" and nothing
+    tokenized: the old store, with the old image's patches, was reused."""
+    shard_mb = image_data.stat().st_size / 12 / 2**20
+    cache, processor = tmp_path / "cache", image_processor()
+
+    def prepare():
+        capsys.readouterr()
+        store = prepared_store(str(image_data), vl_tokenizer, options(), cache, LocalRunner(1), shard_mb=shard_mb,
+                               processor=processor, report=True)
+        return store, capsys.readouterr()
+
+    first, _ = prepare()
+    n = len(first.summary["shards"])
+    assert n >= 8
+    _, unchanged = prepare()
+    assert "shards to tokenize" not in unchanged.out
+    rows = image_rows(18)
+    shown = [i for i, row in enumerate(rows) if row.get("images") == ["imgs/chelsea.jpg"]]
+    old_grids = [first[i]["image_grid_thw"].numpy().copy() for i in shown]
+    starts = [s["first_row"] for s in first.summary["shards"]] + [len(rows)]
+    showing = [i for i in range(n) if any(starts[i] <= row_no < starts[i + 1] for row_no in shown)]
+    assert 0 < len(showing) < n
+    chelsea = image_data.parent / "imgs" / "chelsea.jpg"
+    from skimage import data as photos
+    Image.fromarray(photos.coffee()).convert("RGB").resize((84, 56)).save(chelsea, format="JPEG")
+    again, replaced = prepare()
+    assert f"image {chelsea.resolve()} changed" in replaced.err
+    assert f"{len(showing)} of {n} shards to tokenize ({n - len(showing)} done before)" in replaced.out
+    assert len(list(cache.iterdir())) == 1
+    own = processor(images=Image.open(chelsea).convert("RGB"), return_tensors="np")
+    for i, old in zip(shown, old_grids):
+        np.testing.assert_array_equal(again[i]["pixel_values"].numpy(), own["pixel_values"])
+        np.testing.assert_array_equal(again[i]["image_grid_thw"].numpy(), own["image_grid_thw"])
+        assert not np.array_equal(old, own["image_grid_thw"])
+    _, reused = prepare()
+    assert "shards to tokenize" not in reused.out and "changed" not in reused.err

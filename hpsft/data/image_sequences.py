@@ -12,7 +12,7 @@ exactly its placeholders, so a cut (data.truncation=left|right) or a split into 
 leave patches without their tokens. Such a row is a BadRow naming what to change.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from hpsft.data.image_rows import IMAGE_PAD, expanded_messages, image_messages, 
 from hpsft.data.layouts import HOUSE_LAYOUT, row_messages
 from hpsft.data.row_sequences import RowSequences, rows_sequences
 from hpsft.data.rows import TokenizeOptions
+from hpsft.utils.files import file_identity
 
 IMAGES_COLUMN = "images"  # the ShareGPT/LLaVA rows' list of image paths
 
@@ -29,10 +30,13 @@ IMAGES_COLUMN = "images"  # the ShareGPT/LLaVA rows' list of image paths
 @dataclass
 class ImageRowSequences:
     """A row's sequences (RowSequences) and, per sequence, its images' pixel_values
-    [patches, patch_dim] and image_grid_thw [images, 3] (zero rows for a text-only sequence)."""
+    [patches, patch_dim] and image_grid_thw [images, 3] (zero rows for a text-only sequence);
+    `image_files`: the file_identity of each image read, taken before reading it (the store
+    prepares the shard again when one changes)."""
 
     sequences: RowSequences
     patches: list[tuple[np.ndarray, np.ndarray]]
+    image_files: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def patch_dim(processor) -> int:
@@ -49,10 +53,11 @@ def image_rows_sequences(rows: list, tokenizer, processor, opts: TokenizeOptions
         try:
             messages, tools = row_messages(row, opts)
             messages, paths = image_messages(messages, row.get(IMAGES_COLUMN), data_file)
+            identities = [file_identity(path) for path in paths]  # before the read: a later change is seen
             pixels, grids = process_images(processor, paths)
             counts = image_token_counts(grids, processor.merge_size)
             house_row = {"messages": expanded_messages(messages, counts), "tools": tools}
-            pending.append((house_row, pixels.reshape(-1, patch_dim(processor)), grids, sum(counts)))
+            pending.append((house_row, pixels.reshape(-1, patch_dim(processor)), grids, sum(counts), identities))
         except BadRow as err:
             pending.append(err)
     house_opts = replace(opts, **HOUSE_LAYOUT)
@@ -64,7 +69,7 @@ def image_rows_sequences(rows: list, tokenizer, processor, opts: TokenizeOptions
         if isinstance(p, BadRow):
             out.append(p)
             continue
-        _, pixels, grids, image_tokens = p
+        _, pixels, grids, image_tokens, identities = p
         result = next(results)
         if isinstance(result, BadRow) or image_tokens == 0:
             out.append(result if isinstance(result, BadRow) else
@@ -76,5 +81,5 @@ def image_rows_sequences(rows: list, tokenizer, processor, opts: TokenizeOptions
                               f"in one sequence, but it became {len(held)} sequences holding {held} of them: set "
                               "data.multiturn=whole and raise data.max_length (data.truncation cannot cut image rows)"))
             continue
-        out.append(ImageRowSequences(result, [(pixels, grids)]))
+        out.append(ImageRowSequences(result, [(pixels, grids)], identities))
     return out

@@ -4,7 +4,12 @@ shard, in parallel, resumable, never waited for inside a collective.
 A source's store lives in `<data.cache_dir>/<key>/`, the key a hash of what decides its
 content: the input files (resolved path, size, modification time), the tokenizer (its
 vocabulary, special tokens and chat template), the tokenization options, the shard size and
-the code that turns rows into tokens. In it:
+the code that turns rows into tokens. The images a data file names are known only once its
+rows are read, so they are the key's second part, kept per shard: each image shard's sidecar
+lists the identity (the same resolved path, size, modification time) of every image it read,
+taken as it was read; a shard whose image changed or went is prepared again. Reusing a store
+costs one stat per distinct image of a shard (no image read: at 10^6 images, 10^6 stats and
+the sidecars' lists parsed), nothing for a text store. In it:
 
     shard-00000.arrow, shard-00000.json, ...   each shard's sequences, and its completion mark
     store.json                                 the plan and the totals, once every shard is done
@@ -45,7 +50,7 @@ from hpsft.data.row_sequences import rows_sequences
 from hpsft.data.rows import DataError, TokenizeOptions, UnreadableRow
 from hpsft.data.shards import Shard, expand_entry, plan_shards, shard_rows
 from hpsft.data.token_store import DamagedShard, MappedShard, ShardWriter, TokenStore
-from hpsft.utils.files import write_atomically, write_json_atomically
+from hpsft.utils.files import file_identity, write_atomically, write_json_atomically
 from hpsft.utils.progress import progress_bar
 
 STORE_FORMAT = 1
@@ -94,8 +99,7 @@ def processor_identity(processor) -> str | None:
 def store_identity(files: list[Path], tokenizer, opts: TokenizeOptions, shard_bytes: int, processor=None) -> dict:
     identity = {
         "format": STORE_FORMAT,
-        "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-                   for p in files],
+        "inputs": [dict(zip(("path", "bytes", "mtime_ns"), file_identity(p))) for p in files],
         "tokenizer": tokenizer_identity(tokenizer),
         "options": asdict(opts),
         "shard_bytes": shard_bytes,
@@ -151,7 +155,7 @@ def prepare_shard(job: ShardJob) -> dict:
     writer = ShardWriter(job.arrow_path)
     # A vision-language model's store: each sequence's image patches beside its tokens.
     patches = None if processor is None else PatchWriter(job.arrow_path, patch_dim(processor))
-    tally = {"rows": 0, "skipped": 0, "counts": Counter(), "images": 0}
+    tally = {"rows": 0, "skipped": 0, "counts": Counter(), "images": 0, "image_files": {}}
 
     def sequences_of(readable_rows: list) -> list:
         if processor is None:
@@ -173,6 +177,7 @@ def prepare_shard(job: ShardJob) -> dict:
                 for pixels, grids in result.patches:
                     patches.add(pixels, grids)
                     tally["images"] += len(grids)
+                tally["image_files"].update(dict.fromkeys(result.image_files))  # distinct, in order
                 result = result.sequences
             tally["counts"].update(result.counts)  # a dropped row included (dropped_over_max_length)
             for ids, mask in result.sequences:
@@ -197,6 +202,7 @@ def prepare_shard(job: ShardJob) -> dict:
         raise
     if patches is not None:
         held["images"] = tally["images"]
+        held["image_files"] = [list(identity) for identity in tally["image_files"]]
     sidecar = {"shard": asdict(job.shard), "rows": tally["rows"], "skipped_rows": tally["skipped"],
                "counts": dict(tally["counts"]), **held, "seconds": round(time.perf_counter() - start, 3)}
     write_json_atomically(job.sidecar_path, sidecar)
@@ -214,6 +220,13 @@ def completed_sidecar(job: ShardJob, repair: bool = True) -> dict | None:
         return None
     if sidecar.get("shard") != asdict(job.shard):
         return None
+    changed = changed_image(sidecar)
+    if changed is not None:
+        if repair:
+            print(f"hpsft: {changed} since tokenized shard {job.arrow_path} was prepared: preparing it again",
+                  file=sys.stderr, flush=True)
+            job.sidecar_path.unlink(missing_ok=True)
+        return None
     try:
         MappedShard(job.arrow_path, sidecar)
         if "images" in sidecar:
@@ -224,6 +237,33 @@ def completed_sidecar(job: ShardJob, repair: bool = True) -> dict | None:
             job.sidecar_path.unlink(missing_ok=True)
         return None
     return sidecar
+
+
+def changed_image(sidecar: dict) -> str | None:
+    """What changed of the images a shard read (its sidecar's file identities), None if none did."""
+    for path, size, mtime_ns in sidecar.get("image_files", ()):
+        try:
+            now = file_identity(Path(path))
+        except OSError:
+            return f"image {path} is gone"
+        if now != (path, size, mtime_ns):
+            return f"image {path} changed (size, modification time)"
+    return None
+
+
+def store_images_changed(store_dir: Path, manifest: dict) -> str | None:
+    """What changed of the images a complete store's shards read (text store: nothing to check)."""
+    if "images" not in manifest:
+        return None
+    for i in range(len(manifest["shards"])):
+        try:
+            sidecar = json.loads((store_dir / f"shard-{i:05d}.json").read_text())
+        except (OSError, ValueError):
+            return f"the sidecar of shard {i} is unreadable"
+        changed = changed_image(sidecar)
+        if changed is not None:
+            return changed
+    return None
 
 
 def check_patches(arrow_path: Path, sidecar: dict) -> None:
@@ -468,6 +508,10 @@ def checked_manifest(store_dir: Path, tokenizer, opts: TokenizeOptions, processo
         raise DataError(f"{store_dir} was prepared with another tokenizer ({', '.join(differing)} differ from "
                         f"{tokenizer.name_or_path}'s): prepare it with this model's tokenizer, or train the model "
                         "it was prepared for")
+    changed = store_images_changed(store_dir, manifest)
+    if changed is not None:
+        raise DataError(f"{store_dir}: {changed} since the store was prepared: prepare it again (hpsft "
+                        "prepare-data ... --store)")
     longest = max(held["longest"] for held in manifest["shard_files"])
     if longest > opts.max_length:
         raise DataError(f"{store_dir} holds sequences of up to {longest} tokens > data.max_length={opts.max_length}: "
@@ -501,7 +545,7 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
     key = store_key(identity)
     store_dir = store_dir or Path(cache_dir) / key
     manifest = manifest_of(store_dir, key)
-    if manifest is not None and not check_shards:
+    if manifest is not None and not check_shards and store_images_changed(store_dir, manifest) is None:
         return store_dir, manifest
     plan = [Shard(**shard) for shard in manifest["shards"]] if manifest else plan_shards(files, shard_bytes)
     if not plan:

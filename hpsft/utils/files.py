@@ -22,6 +22,14 @@ import torch
 from hpsft.utils.errors import UserInputError
 
 
+def file_identity(path: Path) -> tuple[str, int, int]:
+    """What tells a file's content changed without reading it: its resolved path, size and
+    modification time (ns). The data stage keys its stores by this for the data files and checks
+    it for each image a shard read (hpsft/data/preparation.py)."""
+    stat = Path(path).stat()
+    return str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns
+
+
 def path_inside(root: Path, name: str, what: str) -> Path:
     """`root / name` for a relative `name` without `..`, which stays inside `root` once
     symbolic links are resolved; else an error naming `what` (the key or file it came from)."""
