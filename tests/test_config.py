@@ -46,8 +46,8 @@ def test_config_is_frozen():
         ("model.lora.dropout=1.0", "model.lora.dropout must be in [0, 1), got 1.0"),
         ("model.lora.target_modules=[]", "model.lora.target_modules is empty"),
         ("model.lora.target_modules=[all-linear,q_proj]", "all-linear already names every linear layer"),
-        ("model.lora.r=8", "unknown config key 'model.lora.r'; valid keys here: alpha, dropout, quantize_base, rank, "
-                           "target_modules, use_dora"),
+        ("model.lora.r=8", "unknown config key 'model.lora.r'; valid keys here: alpha, double_quant, dropout, quantize_base, "
+                           "rank, target_modules, use_dora"),
         ("model.lora.use_dora=true", "model.lora.use_dora=true needs model.lora.rank > 0"),
     ],
 )

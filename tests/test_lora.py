@@ -32,16 +32,17 @@ def lora_overrides(model_path, train, val, out_dir, **extra) -> list[str]:
         "trainer.peak_flops_per_device": 1e12, **extra})
 
 
-def peft_reference_steps(model_path: str, train: str, steps: int, use_dora: bool = False, nf4_base: bool = False
-                         ) -> list[dict]:
+def peft_reference_steps(model_path: str, train: str, steps: int, use_dora: bool = False,
+                         quantize_base: str = "none", double_quant: bool = True) -> list[dict]:
     """Loss and unclipped adapter-gradient norm of the first `steps` steps of lora_overrides'
     run, each step on every conversation of `train`: PEFT's get_peft_model on the model's own
     eager forward and masked-label loss (each conversation alone, weighted by its loss tokens
     over the step's), the norm in fp64, clipped as DeepSpeed clips, torch's AdamW (1-D
     parameters, DoRA's magnitudes, not decayed, as hpsft's param_groups). Only the initial A
     and B come from hpsft (add_lora's seeded A, B = 0), copied in by name; DoRA's magnitudes
-    are PEFT's own (the base rows' norms). `nf4_base`: QLoRA's reference, PEFT's LoRA on the
-    base whose decoder linear weights went through torchao's NF4 round trip (tests/nf4_reference.py)."""
+    are PEFT's own (the base rows' norms). `quantize_base` nf4 or int8: QLoRA's reference, PEFT's
+    LoRA on the base whose decoder linear weights went through torchao's round trip
+    (tests/nf4_reference.py, with `double_quant` for nf4)."""
     import peft
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -58,10 +59,10 @@ def peft_reference_steps(model_path: str, train: str, steps: int, use_dora: bool
     initial = dict(add_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
                             LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora), SEED).named_parameters())
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
-    if nf4_base:
+    if quantize_base != "none":
         from tests.nf4_reference import dequantized_decoder
 
-        dequantized_decoder(base)
+        dequantized_decoder(base, quantize_base, double_quant)
     model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear",
                                                       use_dora=use_dora))
     adapters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -245,9 +246,10 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     assert merged.keys() == final.keys() and all(torch.equal(merged[name], final[name]) for name in final)
 
 
-def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True, quantize_base: str = "none"):
+def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True, quantize_base: str = "none",
+                    double_quant: bool = True):
     """write_tiny_llama's model (fp32) with adapters (rank 4) on every linear layer, as add_lora
-    makes them (quantize_base nf4: over an NF4 base, as the training worker builds it); `trained`:
+    makes them (quantize_base nf4 or int8: over a quantised base, as the training worker builds it); `trained`:
     B and (DoRA) the magnitudes moved off their initial values (seed 1), enough for the merge to matter."""
     from transformers import AutoModelForCausalLM
 
@@ -255,10 +257,11 @@ def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True, q
     from hpsft.models.lora import add_lora
     from hpsft.models.qlora import quantize_base_layers
 
-    lm = add_lora(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                  LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora, quantize_base=quantize_base), SEED).eval()
-    if quantize_base == "nf4":
-        assert quantize_base_layers(lm) == 2 * 7
+    config = LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora, quantize_base=quantize_base,
+                        double_quant=double_quant)
+    lm = add_lora(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), config, SEED).eval()
+    if quantize_base != "none":
+        assert quantize_base_layers(lm, config) == 2 * 7
     if trained:
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():

@@ -20,9 +20,11 @@ from tests.test_spmd_training import assert_ok
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("quantize_base, double_quant, stage", [
+    ("nf4", True, 2), ("nf4", True, 3), ("int8", True, 3), ("nf4", False, 2)],
+    ids=["nf4-zero2", "nf4-zero3", "int8-zero3", "nf4-single-quant-zero2"])
 def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_resumes_and_exports_merged(
-        tmp_path, tiny_chat_model, chat_rows, stage):
+        tmp_path, tiny_chat_model, chat_rows, quantize_base, double_quant, stage):
     """tiny_chat_model, packed rows, the fused loss, 2 ranks under ZeRO-2 (DeepSpeed broadcasts
     no buffer and partitions only the adapters' optimizer state: the NF4 weights, buffers, stay
     whole on each rank) and under ZeRO-3 (the model built whole, quantised, then partitioned by
@@ -48,27 +50,42 @@ def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_resumes_and_ex
     train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
     val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
     out = tmp_path / "run"
-    qlora = {"model.lora.quantize_base": "nf4", "engine.zero_stage": stage}
+    qlora = {"model.lora.quantize_base": quantize_base, "model.lora.double_quant": str(double_quant).lower(),
+             "engine.zero_stage": stage}
     assert_ok(run_cli(None, lora_overrides(tiny_chat_model, train, val, out, **qlora), nproc=2, script=CHECK_SCRIPT))
     check = lora_check(out)
     assert check["trainable"] == check["adapters"] and len(check["adapters"]) == 2 * 7 * 2
     assert check["adapters_unchanged"] == []
-    assert check["base_compared"] >= 2 * 7 and check["base_changed"] == []  # the NF4 weights among them
-    # The 14 base weights are NF4 on each rank, whole (the folder's shapes), under ZeRO-3 too,
-    # where every parameter left (embedding, norms, adapters) is partitioned.
+    # The quantised weights among them, dequantised: bit for bit torchao's round trip of the folder's.
+    assert check["base_compared"] >= 2 * 7 and check["base_changed"] == []
+    # The 14 base weights are quantised on each rank, whole (the folder's shapes), under ZeRO-3 too,
+    # where every parameter left (embedding, norms, adapters) is partitioned; their bytes counted.
     shapes = {name: list(tensor.shape) for name, tensor in folder_weights(Path(tiny_chat_model)).items()}
-    assert len(check["nf4_buffers"]) == 2 * 7
-    assert all(shape == shapes[base_name(name)] for name, shape in check["nf4_buffers"].items())
+    quantized = check["quantized"]
+    assert len(quantized) == 2 * 7
+    for name, layer in quantized.items():
+        rows, cols = shape = shapes[base_name(name)]
+        values = rows * cols
+        if quantize_base == "int8":  # one byte a weight, an fp32 scale per row
+            assert layer["dtype"] == "torch.int8" and layer["shape"] == shape and layer["bytes"] == values + 4 * rows
+        elif not double_quant:  # two codes a byte, an fp32 absmax per 64 weights, the 16 fp32 levels
+            assert layer["dtype"] == "torch.uint8" and layer["bytes"] == values // 2 + 4 * values // 64 + 16 * 4
+        else:  # the scalers 8-bit: one byte per 64 weights, and per scaler block an fp32 factor
+            assert layer["class"] == "NF4Linear" and layer["shape"] == shape
+            assert values // 2 + values // 64 < layer["bytes"] < values // 2 + 4 * values // 64
+    assert len(check["nf4_buffers"]) == (2 * 7 if quantize_base == "nf4" and double_quant else 0)
     assert len(check["partitioned"]) == (len(check["adapters"]) + len(shapes) - 2 * 7 if stage == 3 else 0)
     assert check["merged_vs_adapter"] < LOGIT_RTOL and check["engine_vs_adapter"] < LOGIT_RTOL
     assert check["base_vs_adapter"] > 1e-3
 
-    straight = assert_pefts_first_steps(out, tiny_chat_model, train, nf4_base=True)
+    straight = assert_pefts_first_steps(out, tiny_chat_model, train, quantize_base=quantize_base,
+                                        double_quant=double_quant)
     # Resumed from step 2 in one process (the NF4 buffers and the adapters' moments from the checkpoint).
     assert_resumes_exactly(tiny_chat_model, train, val, out, tmp_path / "resumed", straight, **qlora)
 
     config = json.loads((out / "checkpoints" / "global_step_4" / "run_fingerprint.json").read_text())
-    assert config["model.lora"]["quantize_base"] == "nf4"
+    assert config["model.lora"]["quantize_base"] == quantize_base
+    assert config["model.lora"].get("double_quant", True) == double_quant
     assert_ok(run_cli("hpsft.cli", ["export", str(out), str(tmp_path / "merged")]))
     merged, final = folder_weights(tmp_path / "merged"), folder_weights(out / "hf")
     assert merged.keys() == final.keys() and all(torch.equal(merged[name], final[name]) for name in final)
@@ -83,7 +100,7 @@ def test_bf16_qlora_keeps_the_nf4_base_and_its_first_step_is_the_fp32_references
     """engine.dtype=bfloat16, 2 ranks, ZeRO-1: DeepSpeed's bf16 cast of the module casts parameters
     only, so the NF4 buffers stay NF4 (linear_nf4 reads them: a cast one would fail) and the
     quantisation is the fp32 one. Step 1's loss and unclipped gradient norm equal PEFT's fp32 LoRA
-    on the NF4 round-tripped base (peft_reference_steps, nf4_base) within bf16's 2^-8 relative
+    on the NF4 round-tripped base (peft_reference_steps, quantize_base nf4) within bf16's 2^-8 relative
     (measured loss 9.2e-8, norm 1.4e-4 apart; the loss, ln(49152) on this random model, is
     insensitive). Planted: the base quantised in blocks of 32 (qlora.NF4_BLOCK): the norm 0.35821
     against 0.35496, 9.1e-3 relative, failed (the loss, 2.5e-4 off, would have passed)."""
@@ -94,31 +111,40 @@ def test_bf16_qlora_keeps_the_nf4_base_and_its_first_step_is_the_fp32_references
         "model.lora.quantize_base": "nf4", "engine.zero_stage": 1, "engine.dtype": "bfloat16",
         "trainer.total_steps": 1, "trainer.save_every": 0, "trainer.export_hf": "false"}), nproc=2))
     ours = {m["step"]: m for m in read_metrics(out)}
-    reference = {1: peft_reference_steps(tiny_chat_model, train, 1, nf4_base=True)[0]}
+    reference = {1: peft_reference_steps(tiny_chat_model, train, 1, quantize_base="nf4")[0]}
     print("\nstep 1, bf16 vs fp32 PEFT:", ours[1]["train/loss"], reference[1]["train/loss"],
           ours[1]["train/grad_norm"], reference[1]["train/grad_norm"])
     assert_same_steps(ours, reference, (1,), loss_rtol=BF16_RTOL, grad_norm_rtol=BF16_RTOL)
 
 
-def qlora_model(folder, trained: bool = True):
-    return tiny_dora_model(folder, use_dora=False, trained=trained, quantize_base="nf4")
+QUANTIZED_SETTINGS = [("nf4", True), ("int8", True), ("nf4", False)]
+QUANTIZED_IDS = ["nf4", "int8", "nf4-single-quant"]
 
 
-def qlora_merged(lm):
+def qlora_model(folder, trained: bool = True, quantize_base: str = "nf4", double_quant: bool = True):
+    return tiny_dora_model(folder, use_dora=False, trained=trained, quantize_base=quantize_base,
+                           double_quant=double_quant)
+
+
+def qlora_merged(lm, quantize_base: str = "nf4", double_quant: bool = True):
+    from hpsft.config.schema import LoraConfig
     from hpsft.models.hf_export import weight_names
     from hpsft.models.lora import merged_weights
 
     state = lm.state_dict()
-    return dict(merged_weights(lm, ((n, state[n]) for n in weight_names(lm)), "nf4"))
+    config = LoraConfig(rank=RANK, quantize_base=quantize_base, double_quant=double_quant)
+    return dict(merged_weights(lm, ((n, state[n]) for n in weight_names(lm)), config))
 
 
-def test_qlora_merge_is_the_dequantised_base_plus_the_adapters_and_an_untrained_one_is_refused(tmp_path):
+@pytest.mark.parametrize("quantize_base, double_quant", QUANTIZED_SETTINGS, ids=QUANTIZED_IDS)
+def test_qlora_merge_is_the_dequantised_base_plus_the_adapters_and_an_untrained_one_is_refused(
+        tmp_path, quantize_base, double_quant):
     """In one process, write_tiny_llama's model: the QLoRA model's logits equal PEFT's LoRA on the
-    NF4 round-tripped base (tests/nf4_reference.py) with the same adapters within 1e-5
-    (measured 0: the same products), and the base model loaded with merged_weights(..., "nf4")
-    computes them within 1e-5 (measured 4.3e-7), fp32 as the base; with B = 0 the merge equals the
-    dequantised base and is refused. Planted: qlora.dequantized's scale off by 1.01: the merged
-    model 1.4e-2 off PEFT's logits."""
+    round-tripped base (tests/nf4_reference.py: torchao's NF4 or int8) with the same adapters
+    within 1e-5 (measured 0: the same products), and the base model loaded with merged_weights
+    computes them within 1e-5 (measured 4.3e-7 nf4, 4.4e-7 int8, 4.4e-7 nf4 single-quantised),
+    fp32 as the base; with B = 0 the merge equals the dequantised base and is refused. Planted
+    (nf4): the dequantised scale off by 1.01: the merged model 1.4e-2 off PEFT's logits."""
     import peft
     from transformers import AutoModelForCausalLM
 
@@ -126,9 +152,10 @@ def test_qlora_merge_is_the_dequantised_base_plus_the_adapters_and_an_untrained_
     from tests.nf4_reference import dequantized_decoder
 
     folder = write_tiny_llama(tmp_path / "tiny-llama")
-    lm = qlora_model(folder)
+    lm = qlora_model(folder, quantize_base=quantize_base, double_quant=double_quant)
     ids = torch.randint(3, 512, (1, 48), generator=torch.Generator().manual_seed(2))
-    reference = peft.get_peft_model(dequantized_decoder(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)),
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    reference = peft.get_peft_model(dequantized_decoder(base, quantize_base, double_quant),
                                     peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear")).eval()
     adapters = dict(lm.named_parameters())
     with torch.no_grad():
@@ -136,7 +163,7 @@ def test_qlora_merge_is_the_dequantised_base_plus_the_adapters_and_an_untrained_
             if param.requires_grad:
                 param.copy_(adapters[name.removeprefix("base_model.model.")])
     merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    weights = qlora_merged(lm)
+    weights = qlora_merged(lm, quantize_base, double_quant)
     assert all(tensor.dtype == torch.float32 for tensor in weights.values())
     missing, unexpected = merged.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -144,23 +171,30 @@ def test_qlora_merge_is_the_dequantised_base_plus_the_adapters_and_an_untrained_
         ours, theirs, from_merge = (model(input_ids=ids).logits for model in (lm, reference, merged))
     forward = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     merge = ((from_merge - theirs).abs().max() / theirs.abs().max()).item()
-    print(f"\nQLoRA vs PEFT on the NF4 base {forward:.1e}, merged vs PEFT {merge:.1e}")
+    print(f"\nQLoRA vs PEFT on the {quantize_base} base {forward:.1e}, merged vs PEFT {merge:.1e}")
     assert forward < LOGIT_RTOL and merge < LOGIT_RTOL
     with pytest.raises(UserInputError, match="the merged model equals the base model"):
-        qlora_merged(qlora_model(folder, trained=False))
+        qlora_merged(qlora_model(folder, False, quantize_base, double_quant), quantize_base, double_quant)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.lora.quantize_base=int8"], "model.lora.quantize_base=int8 is not built yet; use nf4 or none"),
-    (["model.lora.quantize_base=fp4"], "model.lora.quantize_base='fp4' is not one of ['nf4', 'none']"),
+    (["model.lora.quantize_base=int8", "model.lora.double_quant=false"], "model.lora.double_quant=false with "
+     "model.lora.quantize_base=int8: double quantisation is nf4's (its block scalers); remove model.lora.double_quant"),
+    (["model.lora.double_quant=false"], "model.lora.double_quant=false with model.lora.quantize_base=none"),
+    (["model.lora.quantize_base=fp4"], "model.lora.quantize_base='fp4' is not one of ['int8', 'nf4', 'none']"),
     (["model.lora.rank=0", "model.lora.quantize_base=nf4"], "model.lora.quantize_base=nf4 needs model.lora.rank > 0"),
     (["model.lora.use_dora=true", "model.lora.quantize_base=nf4"], "with model.lora.use_dora=true: DoRA on a "
      "quantised base is not supported; set model.lora.quantize_base=none"),
     (["model.lora.quantize_base=nf4", "engine.name=megatron"], "model.lora.rank=4, model.lora.quantize_base=nf4 "
      "with engine.name=megatron: not on the Megatron engine yet"),
-], ids=["int8", "unknown", "no-rank", "dora", "megatron"])
+    (["model.lora.use_dora=true", "model.lora.quantize_base=int8"], "model.lora.quantize_base=int8 with "
+     "model.lora.use_dora=true: DoRA on a quantised base is not supported"),
+    (["model.lora.quantize_base=int8", "engine.name=megatron"], "model.lora.rank=4, model.lora.quantize_base=int8 "
+     "with engine.name=megatron: not on the Megatron engine yet"),
+], ids=["int8-double-quant", "none-double-quant", "unknown", "no-rank", "dora", "megatron", "int8-dora",
+        "int8-megatron"])
 def test_quantize_base_settings_it_cannot_run_are_refused_by_name(overrides, message):
-    """Planted: the int8 branch removed: the generic 'not one of' message instead (int8)."""
+    """Planted: the double_quant check removed: int8 with double_quant=false was accepted (no error)."""
     from hpsft.config import load_config
 
     with pytest.raises(ValueError) as err:
@@ -178,3 +212,61 @@ def test_a_layer_no_scaler_block_divides_is_refused_by_name():
     with pytest.raises(UserInputError, match=r"model.lora.quantize_base=nf4: odd's weight \(64, 3\) .* leave it out "
                                              "of model.lora.target_modules"):
         scaler_block_size("odd", torch.empty(64, 3))
+
+
+@pytest.mark.parametrize("quantize_base, double_quant", QUANTIZED_SETTINGS, ids=QUANTIZED_IDS)
+def test_a_quantised_layer_computes_torchaos_round_trip_and_stores_the_bytes_it_should(quantize_base, double_quant):
+    """Each quantised base layer (qlora.quantized_linear) on weights of three shapes, one with a row
+    of zeros: its dequantised weight equals torchao's own round trip (tests/nf4_reference.py: int8
+    by torchao's affine primitives, single-quantised NF4 by its codes and exact block absmax) bit
+    for bit, forward and input gradient equal F.linear on that weight (within 1e-6; measured 0),
+    the weight gets no gradient, and the buffers hold the bytes the format says: int8 one byte a
+    weight and an fp32 scale per row; NF4 half a byte a weight and per 64 an fp32 absmax (single)
+    or an int8 scaler plus an fp32 factor per scaler block (double; between the two bounds).
+    The two NF4 settings share their codes and differ in the scalers only (the dequantised weights
+    not equal, and apart by at most one 8-bit step of the scalers: measured 4.9e-3 against 1.0e-2). Planted (int8): the scale of each row taken from the
+    next (torch.roll by one row in Int8Linear): the round trip 1.6 off, failed; the codes floored,
+    not rounded: failed (max difference 0.0045 of weights about 0.5)."""
+    from torch.nn import functional as F
+
+    from hpsft.config.schema import LoraConfig
+    from hpsft.models.qlora import quantized_linear, stored_bytes
+    from tests.nf4_reference import round_trip
+
+    config = LoraConfig(rank=4, quantize_base=quantize_base, double_quant=double_quant)
+    generator = torch.Generator().manual_seed(0)
+    for rows, cols in ((64, 128), (96, 64), (32, 256)):
+        linear = torch.nn.Linear(cols, rows)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(rows, cols, generator=generator) * 0.5)
+            linear.weight[3] = 0.0
+        layer = quantized_linear("layer", linear, config)
+        reference = round_trip(linear.weight, quantize_base, double_quant)
+        dense = layer.dequantized()
+        assert dense.dtype == torch.float32 and torch.equal(dense, reference), (dense - reference).abs().max()
+        assert torch.equal(dense[3], torch.zeros(cols))
+        x = torch.randn(5, cols, generator=generator, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out, expected = layer(x), F.linear(x_ref, reference, linear.bias)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for ours, theirs in ((out, expected), (x.grad, x_ref.grad)):
+            assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= 1e-6
+        assert all(not b.requires_grad for b in layer.buffers()) and linear.bias.grad is not None
+        values = rows * cols
+        if quantize_base == "int8":
+            assert layer.weight.dtype == torch.int8 and stored_bytes(layer) == values + 4 * rows
+        elif not double_quant:
+            assert layer.weight.dtype == torch.uint8 and stored_bytes(layer) == values // 2 + 4 * values // 64 + 16 * 4
+        else:
+            assert values // 2 + values // 64 < stored_bytes(layer) < values // 2 + 4 * values // 64
+        if quantize_base == "nf4":
+            other = quantized_linear("layer", linear, LoraConfig(rank=4, quantize_base="nf4",
+                                                                 double_quant=not double_quant)).dequantized()
+            # The codes' levels are at most 1 in size, so the weights differ by the scalers' 8-bit
+            # rounding at most: one step, 2 * max|s - mean(s)| / 256 over the block absmaxes s (half a
+            # step, but the largest is clamped to 127 of 128).
+            scalers = linear.weight.detach().reshape(-1, 64).abs().amax(dim=1)
+            bound = 2 * (scalers - scalers.mean()).abs().max() / 256
+            print(f"{rows}x{cols}: nf4 double vs single quantised {(dense - other).abs().max():.2e}, bound {bound:.2e}")
+            assert not torch.equal(dense, other) and (dense - other).abs().max() <= bound * (1 + 1e-5)

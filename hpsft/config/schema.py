@@ -27,7 +27,7 @@ def check_positive(section: str, name: str, value, allow_zero: bool = False) -> 
         raise ValueError(f"{section}.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-QUANTIZE_BASE = ("none", "nf4")
+QUANTIZE_BASE = ("none", "nf4", "int8")
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,12 @@ class LoraConfig:
     # DoRA (PEFT's use_dora): each adapted weight is a trained magnitude per output times the
     # direction of W + B @ A (docs/lora.md: DoRA).
     use_dora: bool = False
-    # The frozen base weight of every adapted layer stored 4-bit (QLoRA): none, or nf4 (torchao's
-    # NF4Tensor, double-quantised scalers; docs/lora.md: QLoRA).
+    # The frozen base weight of every adapted layer stored quantised (QLoRA): none, nf4 (4-bit
+    # NormalFloat in blocks of 64) or int8 (one scale per output row); docs/lora.md: QLoRA.
     quantize_base: str = "none"
+    # nf4's absmax scalers quantised to 8 bits themselves (QLoRA's double quantisation, torchao's
+    # NF4Tensor) or kept in fp32 (false); nf4 only.
+    double_quant: bool = True
 
     def __post_init__(self):
         check_positive("model.lora", "rank", self.rank, allow_zero=True)
@@ -59,9 +62,10 @@ class LoraConfig:
                              "every linear layer; give it alone or list module names without it")
         if self.use_dora and not self.rank:
             raise ValueError("model.lora.use_dora=true needs model.lora.rank > 0 (DoRA trains LoRA adapters)")
-        if self.quantize_base == "int8":
-            raise ValueError("model.lora.quantize_base=int8 is not built yet; use nf4 or none")
         check_choice("model.lora", "quantize_base", self.quantize_base, QUANTIZE_BASE)
+        if not self.double_quant and self.quantize_base != "nf4":
+            raise ValueError(f"model.lora.double_quant=false with model.lora.quantize_base={self.quantize_base}: "
+                             "double quantisation is nf4's (its block scalers); remove model.lora.double_quant")
         if self.quantize_base != "none" and not self.rank:
             raise ValueError(f"model.lora.quantize_base={self.quantize_base} needs model.lora.rank > 0 "
                              "(QLoRA trains LoRA adapters on the quantised base)")

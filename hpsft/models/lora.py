@@ -122,12 +122,14 @@ def base_name(name: str) -> str:
     return name.replace(BASE_LAYER, ".")
 
 
-def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], quantize_base: str = "none"
+def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], lora_config=None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's (name, tensor) pairs with every adapter folded in: W + scaling * B @ A
     (transposed for fan-in-fan-out layers), for DoRA times magnitude / the row norms of that,
-    computed in fp32 and stored in W's dtype (PEFT's merge). With `quantize_base` nf4 (QLoRA)
-    W is the dequantised NF4 weight the layer trained with (qlora.dequantized).
+    computed in fp32 and stored in W's dtype (PEFT's merge). With `lora_config.quantize_base`
+    nf4 or int8 (QLoRA) W is the dequantised weight the layer trained with: its quantised base
+    layer's, or (`lm` not quantised, as `hpsft export` builds it) the dense W quantised and
+    dequantised again (qlora.dequantized).
 
     `weights` are the adapted model's tensors in its own names and order (`weight_names(lm)`):
     a layer's base weight and its adapter tensors arrive together, so one layer is held at a
@@ -154,10 +156,12 @@ def merged_weights(lm: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], q
         parts[part] = tensor
         if len(parts) == 4 if layer.use_dora[ADAPTER] else len(parts) == 3:
             del held[prefix]
-            if quantize_base == "nf4":
+            if lora_config is not None and lora_config.quantize_base != "none":
                 from hpsft.models.qlora import dequantized
 
-                parts["W"] = dequantized(prefix, parts["W"])
+                base = layer.get_base_layer()
+                parts["W"] = (base.dequantized() if hasattr(base, "dequantized")
+                              else dequantized(prefix, parts["W"], lora_config))
             merged = merged_weight(layer, parts)
             changed = changed or not torch.equal(merged, parts["W"])
             yield f"{prefix}.weight", merged

@@ -71,7 +71,7 @@ def check_trained_base(folder: Path, recorded: dict) -> None:
         )
 
 
-def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch: Path, quantize_base: str):
+def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch: Path, lora_config):
     """A LoRA checkpoint's (name, tensor) pairs: the adapters alone, or the base model (read from
     `folder` tensor by tensor; QLoRA's quantised and dequantised as in training) with the adapters
     merged in."""
@@ -100,7 +100,7 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
             with safe_open(file_of[base_name(name)], framework="pt") as f:
                 yield name, f.get_tensor(base_name(name)).float()
 
-    return merged_weights(lm, adapted_model_weights(), quantize_base)
+    return merged_weights(lm, adapted_model_weights(), lora_config)
 
 
 def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
@@ -155,7 +155,7 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
             if not adapter_only:
                 check_trained_base(folder, recorded)
             weights = lora_weights(checkpoint, lm, folder, adapter_only, Path(scratch),
-                                   LoraConfig(**lora_settings).quantize_base)
+                                   LoraConfig(**lora_settings))
         if adapter_only:
             write_adapter_folder(lm, weights, str(folder), tokenizer, out)
         else:

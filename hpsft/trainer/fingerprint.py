@@ -125,13 +125,15 @@ def run_fingerprint(config, tokenizer) -> dict:
 
 
 def lora_fingerprint(lora) -> dict:
-    """model.lora's settings; use_dora and quantize_base only when set, so that LoRA checkpoints
-    written before those keys existed still match."""
+    """model.lora's settings; use_dora, quantize_base and double_quant only when not the default,
+    so that LoRA checkpoints written before those keys existed still match."""
     settings = dataclasses.asdict(lora)
     if not lora.use_dora:
         del settings["use_dora"]
     if lora.quantize_base == "none":
         del settings["quantize_base"]
+    if lora.double_quant:  # the default (nf4 checkpoints written before the key existed were double-quantised)
+        del settings["double_quant"]
     return settings
 
 

@@ -78,7 +78,7 @@ class TrainingWorker(Worker):
         # adapted layer's whole weight, so it is built whole and deepspeed.initialize partitions it
         # (QLoRA: the parameters left, embeddings, head, norms, adapters; its NF4 weights, buffers,
         # stay whole on each rank).
-        model_init = None if cfg.lora.quantize_base == "nf4" or cfg.lora.use_dora else self.engine.model_init
+        model_init = None if cfg.lora.quantize_base != "none" or cfg.lora.use_dora else self.engine.model_init
         lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
                             model_init=model_init)
         vision = is_vision_language(lm)
@@ -113,8 +113,8 @@ class TrainingWorker(Worker):
             add_lora(lm, cfg.lora, self.seed)
             if cfg.lora.use_dora and self.engine_config.zero_stage == 3:
                 gather_dora_base_weights(lm)
-            if cfg.lora.quantize_base == "nf4":  # QLoRA: the adapted layers' frozen weights stored 4-bit
-                quantize_base_layers(lm)
+            if cfg.lora.quantize_base != "none":  # QLoRA: the adapted layers' frozen weights stored 4- or 8-bit
+                quantize_base_layers(lm, cfg.lora)
             if distributed.rank() == 0:
                 print(f"hpsft: {describe(lm)}", flush=True)
         self.body_params, self.head_params = flop_counts(lm)  # frozen weights count less (no weight gradient)
@@ -272,7 +272,7 @@ class TrainingWorker(Worker):
         if distributed.rank() == 0:
             tensors = progress_bar(progress, iterable=tensors, total=len(names), desc="export", unit="tensor")
             write_hf_folder(lm.config, lm.generation_config if lm.can_generate() else None,
-                            merged_weights(lm, tensors, self.model_config.lora.quantize_base) if lora else tensors, tokenizer, Path(out_dir), max_shard_mb,
+                            merged_weights(lm, tensors, self.model_config.lora) if lora else tensors, tokenizer, Path(out_dir), max_shard_mb,
                             self.model_config.path)
         else:
             for _ in tensors:  # take part in every gather

@@ -8,8 +8,9 @@ What it records: the names of the parameters that require gradients and of the a
 base weights that differ (bit for bit) from the model folder's; the adapters left equal to
 their initial values (A from the seed, B = 0, rebuilt here on a fresh model); and the largest
 relative logit differences between the engine, the merged hf/ folder, and the base model with
-hf/adapter loaded by PEFT. A QLoRA run (model.lora.quantize_base=nf4) is compared with the
-base it computes with: the model folder's decoder linear weights through torchao's NF4 round trip.
+hf/adapter loaded by PEFT. A QLoRA run (model.lora.quantize_base nf4 or int8) is compared with
+the base it computes with: the model folder's decoder linear weights through torchao's round trip
+(tests/nf4_reference.py).
 """
 
 import json
@@ -44,10 +45,20 @@ def main() -> None:
     module = engine.module
     trainable = sorted(name for name, p in module.named_parameters() if p.requires_grad)
     names = [name for name, _ in module.named_parameters()]
-    if config.model.lora.quantize_base == "nf4":  # the NF4 base weights are buffers
+    lora = config.model.lora
+    qlora = lora.quantize_base != "none"
+    if qlora:  # the quantised base weights are buffers
         names += [name for name, _ in module.named_buffers() if name.endswith(".base_layer.weight")]
-    # QLoRA's NF4 weights as this rank holds them (whole under ZeRO-3 too), and which parameters ZeRO-3 partitioned.
+    # QLoRA's quantised weights as this rank holds them (whole under ZeRO-3 too): shape, dtype and bytes
+    # (buffers, an NF4Tensor's inner tensors); and which parameters ZeRO-3 partitioned.
+    from hpsft.models.qlora import stored_bytes
+
+    quantized = {f"{prefix}.weight": {"class": type(layer).__name__, "dtype": str(layer.weight.dtype),
+                                      "shape": list(layer.weight.shape), "bytes": stored_bytes(layer)}
+                 for prefix, layer in module.named_modules() if hasattr(layer, "dequantized")}
     nf4_buffers = {name: list(b.shape) for name, b in module.named_buffers() if type(b).__name__ == "NF4Tensor"}
+    dense = {f"{prefix}.weight": layer.dequantized().clone() for prefix, layer in module.named_modules()
+             if hasattr(layer, "dequantized")}  # the weights the quantised layers compute with
     partitioned = sorted(name for name, p in module.named_parameters() if hasattr(p, "ds_id"))
     # Of those, the ones each rank holds a shard of (DeepSpeed keeps those under its persistence threshold whole).
     sharded = sorted(name for name, p in module.named_parameters() if hasattr(p, "ds_id") and not p.ds_persist)
@@ -67,14 +78,13 @@ def main() -> None:
     from hpsft.models.lora import base_name
 
     folder = load_file(Path(config.model.path) / "model.safetensors")
-    qlora = config.model.lora.quantize_base == "nf4"
-    if qlora:  # the base as QLoRA computes with it: the NF4 weights dequantised (torchao's own round trip)
-        from tests.nf4_reference import nf4_round_trip
+    if qlora:  # the base as QLoRA computes with it, against torchao's own round trip of the folder's weights
+        from tests.nf4_reference import round_trip
 
-        current = {name: tensor.get_original_weight() if hasattr(tensor, "get_original_weight") else tensor
-                   for name, tensor in current.items()}
-        folder = {name: nf4_round_trip(tensor) if name in {base_name(n) for n in current if ".base_layer." in n}
-                  else tensor for name, tensor in folder.items()}
+        current = {name: dense.get(name, tensor) for name, tensor in current.items()}
+        folder = {name: round_trip(tensor, lora.quantize_base, lora.double_quant)
+                  if name in {base_name(n) for n in current if ".base_layer." in n} else tensor
+                  for name, tensor in folder.items()}
     initial = initial_adapters(config)
     base_changed = [name for name, tensor in current.items()
                     if name not in initial and base_name(name) in folder and not torch.equal(tensor, folder[base_name(name)])]
@@ -89,7 +99,7 @@ def main() -> None:
         if qlora:  # PEFT's adapter on the same dequantised base
             from tests.nf4_reference import dequantized_decoder
 
-            dequantized_decoder(base)
+            dequantized_decoder(base, lora.quantize_base, lora.double_quant)
         base_logits = base(input_ids=sample, position_ids=positions, use_cache=False).logits[0]
         adapted = PeftModel.from_pretrained(base, hf_dir / "adapter").eval()
         adapter_logits = adapted(input_ids=sample, position_ids=positions, use_cache=False).logits[0]
@@ -107,6 +117,7 @@ def main() -> None:
         "engine_vs_adapter": rel(engine_logits, adapter_logits),
         "base_vs_adapter": rel(base_logits, adapter_logits),
         "nf4_buffers": nf4_buffers,
+        "quantized": quantized,
         "partitioned": partitioned,
         "sharded": sharded,
     }))
