@@ -47,12 +47,12 @@ def main():
                 for i in range(args.rows)]
         data_file = folder / "train.jsonl"
         start = time.perf_counter()
-        writer = PatchWriter(folder / "shard-00000.arrow", 3 * 2 * 14 * 14)
+        writer = PatchWriter(folder / "shard-00000.arrow", (3 * 2 * 14 * 14,), 3)
         tokens = 0
         for messages, images in rows:
             messages, paths = image_messages(messages, images, data_file)
             pixels, grids = process_images(processor, paths)
-            ids, _ = tokenize_conversation(tokenizer, expanded_messages(messages, image_token_counts(grids, 2)))
+            ids, _ = tokenize_conversation(tokenizer, expanded_messages(messages, image_token_counts(processor, pixels, grids), processor))
             writer.add(pixels, grids)
             tokens += len(ids)
         writer.close()

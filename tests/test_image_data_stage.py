@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hpsft.data.image_rows import IMAGE_PAD, VISION_END, VISION_START
+from hpsft.data.image_rows import IMAGE_MARK, IMAGE_PAD, VISION_END, VISION_START, LlavaImages
 from hpsft.data.preparation import LocalRunner, prepared_store
 from hpsft.data.rows import DataError
 from hpsft.data.shards import plan_shards
@@ -29,6 +29,49 @@ def image_processor():
     from transformers import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
+
+
+def llava_images(tokenizer) -> LlavaImages:
+    """The tiny LLaVA's layout (what load_image_processor gives for its folder): CLIP's processor
+    at the tower's 42 x 42, patches of 14, the "full" strategy (CLS kept: 3 * 3 + 1 = 10 tokens)."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from tests.test_vision_lm import LLAVA_IMAGE
+
+    return LlavaImages(CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE}, crop_size=LLAVA_IMAGE), 14, "full",
+                       tokenizer.convert_tokens_to_ids(IMAGE_MARK))
+
+
+FAMILIES = ["qwen2_vl", "llava"]
+
+
+def family_processor(family: str, tokenizer):
+    """What the data stage is handed for the family's tiny model folder."""
+    return llava_images(tokenizer) if family == "llava" else image_processor()
+
+
+def tiny_model(family: str, tokenizer):
+    from tests.test_vision_lm import tiny_llava, tiny_qwen2_vl
+
+    return tiny_llava(tokenizer, vision_feature_select_strategy="full") if family == "llava" else tiny_qwen2_vl(tokenizer)
+
+
+def own_processing(family: str, tokenizer, photos: list[Path]) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """The pixel_values, image_grid_thw (None for LLaVA) and number of image tokens of these
+    photographs as transformers' own processing gives them: Qwen2-VL's image processor called per
+    image (grid_t*grid_h*grid_w / 2**2 tokens each); LlavaProcessor itself (its tokenizer's count
+    of <image> in the text it expands, the "full" strategy with CLIP's one extra CLS token)."""
+    from transformers import LlavaProcessor
+
+    images = [Image.open(photo).convert("RGB") for photo in photos]
+    if family == "qwen2_vl":
+        own = [image_processor()(images=image, return_tensors="np") for image in images]
+        grids = np.concatenate([o["image_grid_thw"] for o in own])
+        return np.concatenate([o["pixel_values"] for o in own]), grids, int(grids.prod(axis=1).sum()) // 4
+    processor = LlavaProcessor(image_processor=llava_images(tokenizer).processor, tokenizer=tokenizer, patch_size=14,
+                               vision_feature_select_strategy="full", num_additional_image_tokens=1)
+    out = processor(text=IMAGE_MARK * len(images), images=images, return_tensors="np")
+    return out["pixel_values"], None, int((out["input_ids"] == tokenizer.convert_tokens_to_ids(IMAGE_MARK)).sum())
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +124,20 @@ def store_items(store) -> list[dict]:
             for i in range(len(store))]
 
 
-def test_image_rows_prepared_in_parallel_equal_one_process_and_the_processor(image_data, tmp_path, vl_tokenizer):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_rows_prepared_in_parallel_equal_one_process_and_the_processor(image_data, tmp_path, vl_tokenizer,
+                                                                             family):
     """18 image rows (two images, one image, text only) prepared as one shard here and as ~6 shards
     over 2 worker processes: the same tokens, masks, patches and grids per sequence. Each
-    sequence's patches equal the processor's own call on its row's images in order (exact), and its
-    input_ids hold t*h*w/4 image tokens per image, none under the loss mask. Planted bug: TokenStore.__getitem__ reads the patches of the next
-    sequence of its shard -> the 1-shard and 5-shard stores' items differed (assert store_items(one)
-    == store_items(many) failed)."""
-    processor = image_processor()
+    sequence's pixel_values (and grids) equal transformers' own processing of its row's images in
+    order (exact; own_processing: Qwen2-VL's image processor, LLaVA's LlavaProcessor), and its
+    input_ids hold as many image tokens as that processing gives (Qwen2-VL t*h*w/4 per image,
+    LLaVA 10 per 42 x 42 image), none under the loss mask; LLaVA's items have no image_grid_thw.
+    Planted bugs: TokenStore.__getitem__ reads the patches of the next sequence of its shard -> the
+    1-shard and 5-shard stores' items differed (assert store_items(one) == store_items(many)
+    failed); (llava) LlavaImages.token_counts without the "full" strategy's CLS token -> 9 <image>
+    tokens per image where LlavaProcessor gives 10 (assert 18 == 20 on row 0)."""
+    processor = family_processor(family, vl_tokenizer)
     opts = options()
     one = prepared_store(str(image_data), vl_tokenizer, opts, tmp_path / "one", LocalRunner(1), shard_mb=64,
                          processor=processor)
@@ -97,27 +146,45 @@ def test_image_rows_prepared_in_parallel_equal_one_process_and_the_processor(ima
     assert len(many.summary["shards"]) >= 5 and many.summary["images"] == one.summary["images"] == 19
     assert store_items(one) == store_items(many)
     assert isinstance(many.patches[0].pixels, np.memmap)
-    pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_MARK if family == "llava" else IMAGE_PAD)
     rows = image_rows(18)
     for i, row in enumerate(rows):
         item = one[i]
+        assert ("image_grid_thw" in item) == (family == "qwen2_vl")
         names = [part.get("image") or part.get("image_url", {}).get("url") for m in row.get("messages", [])
                  if isinstance(m["content"], list) for part in m["content"] if part["type"] != "text"]
         names += row.get("images", [])
         if not names:
-            assert item["pixel_values"].shape[0] == 0 and item["image_grid_thw"].shape[0] == 0
+            assert item["pixel_values"].shape[0] == 0 and item.get("image_grid_thw", np.zeros(0)).shape[0] == 0
             continue
-        own = [processor(images=Image.open(image_data.parent / name).convert("RGB"), return_tensors="np")
-               for name in names]
-        np.testing.assert_array_equal(item["pixel_values"].numpy(),
-                                      np.concatenate([o["pixel_values"] for o in own]))
-        np.testing.assert_array_equal(item["image_grid_thw"].numpy(),
-                                      np.concatenate([o["image_grid_thw"] for o in own]))
+        pixels, grids, tokens = own_processing(family, vl_tokenizer, [image_data.parent / name for name in names])
+        np.testing.assert_array_equal(item["pixel_values"].numpy(), pixels)
+        if grids is not None:
+            np.testing.assert_array_equal(item["image_grid_thw"].numpy(), grids)
         ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
-        assert ids.count(pad) == sum(int(o["image_grid_thw"].prod()) // 4 for o in own)
+        assert ids.count(pad) == tokens, (i, ids.count(pad), tokens)
         assert not any(m for t, m in zip(ids, mask) if t == pad)
     # The token budget counts the image tokens: the store's lengths include them.
     assert one.lengths.tolist() == [len(item["input_ids"]) for item in store_items(one)]
+
+
+def test_llavas_image_token_is_checked_by_name(image_data, tmp_path, vl_tokenizer):
+    """LLaVA's rows need the tokenizer's <image> token, and it must be the model config's
+    image_token_id: a tokenizer without it (the text model's) and a layout whose config names
+    another id are refused naming the token before any shard is prepared.
+    Planted bug: check_image_tokens without the image_token_id comparison -> DID NOT RAISE (the
+    store prepared, every image's features bound for token 49154's embedding rows... never read)."""
+    from transformers import AutoTokenizer
+
+    with pytest.raises(DataError, match=r"has no tokens \['<image>'\]"):
+        prepared_store(str(image_data), AutoTokenizer.from_pretrained(TEST_MODEL), options(), tmp_path / "a",
+                       LocalRunner(1), processor=llava_images(vl_tokenizer))
+    layout = llava_images(vl_tokenizer)
+    layout.image_token_id += 1
+    with pytest.raises(DataError, match=rf"has <image> as token {layout.image_token_id - 1}, the model's config.json "
+                                        rf"has image_token_id={layout.image_token_id}"):
+        prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "b", LocalRunner(1), processor=layout)
+    assert not (tmp_path / "b").exists() or not list((tmp_path / "b").rglob("shard-*"))
 
 
 TEAM_SCRIPT = """
@@ -193,41 +260,46 @@ def test_a_missing_image_is_refused_by_row_and_the_preparation_resumes_by_shard(
         assert (store_dir / name).read_bytes() == (straight_dir / name).read_bytes(), name
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 def test_selected_store_sequences_pack_into_a_row_the_models_own_forward_agrees_with(image_data, tmp_path,
-                                                                                      vl_tokenizer):
+                                                                                      vl_tokenizer, family):
     """Store sequences collated (collate_jagged), a micro-batch selected out of order (select, as the
-    worker's bins do: a one-image chat, a text-only one, a two-image chat, the last row's photo) and
-    packed (packed_row): a tiny Qwen2-VL's PackedVisionLM loss and unclipped grad norm on that row
-    equal the model's own Hugging Face forward run on each of those store items alone (fp32, 1e-5
-    relative). Measured: loss 10.830143 (rel 0.0), grad norm 3.18304945 vs 3.18304956 (rel 3.4e-08).
-    Planted bug: collate_jagged's image offsets rotated by one sequence (each sequence given its
-    neighbour's grids) -> PackedVisionLM refused the row (ValueError "sequence 0 has 6 image
-    placeholder tokens, which are not the tokens of whole images 0.. of the row")."""
+    worker's bins do: a one-image chat, a text-only one, a two-image chat, the last row's photo: 4
+    images of 3 photographs in one row) and packed (packed_row): a tiny Qwen2-VL's (LLaVA's, CLIP
+    tower, "full" strategy) PackedVisionLM loss and unclipped grad norm on that row equal the
+    model's own Hugging Face forward run on each of those store items alone (fp32, 1e-5 relative).
+    Measured: Qwen2-VL loss 10.830143 (rel 0.0), grad norm 3.18304945 vs 3.18304956 (rel 3.4e-08).
+    Planted bugs: collate_jagged's image offsets rotated by one sequence (each sequence given its
+    neighbour's grids) -> PackedVisionLM refused the Qwen2-VL row (ValueError "sequence 0 has 6
+    image placeholder tokens, which are not the tokens of whole images 0.. of the row"); (llava)
+    packed_row's pixel_values with the first two images swapped (an image's pixels given to its
+    neighbour in the row) -> loss 10.828734 vs the own forward's 10.831293 (2.4e-4), failed."""
     import torch
 
     from hpsft.data.batch import collate_jagged, packed_row, select
-    from tests.test_vision_lm import own_forward_loss, packed_loss, tiny_qwen2_vl
+    from tests.test_vision_lm import own_forward_loss, packed_loss
 
     store = prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "cache", LocalRunner(1),
-                           processor=image_processor())
+                           processor=family_processor(family, vl_tokenizer))
     batch = collate_jagged([store[i] for i in range(len(store))])
     chosen = [4, 2, 0, len(store) - 1]
     row = packed_row(select(batch, chosen))
     conversations = []
     for i in chosen:
         item = store[i]
-        has_images = item["image_grid_thw"].shape[0] > 0
+        has_images = item["pixel_values"].shape[0] > 0
         conversations.append({"input_ids": item["input_ids"], "loss_mask": item["loss_mask"],
                               "pixel_values": item["pixel_values"] if has_images else None,
-                              "image_grid_thw": item["image_grid_thw"] if has_images else None})
-    assert [c["image_grid_thw"] is None for c in conversations] == [False, True, False, False]
-    lm = tiny_qwen2_vl(vl_tokenizer)
+                              "image_grid_thw": item.get("image_grid_thw") if has_images else None})
+    assert [c["pixel_values"] is None for c in conversations] == [False, True, False, False]
+    assert ("image_grid_thw" in row) == (family == "qwen2_vl")
+    lm = tiny_model(family, vl_tokenizer)
     ref_loss, ref_norm = own_forward_loss(lm, conversations)
     loss, norm, _ = packed_loss(lm, row)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
     assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
-    assert torch.equal(row["image_grid_thw"], torch.cat([c["image_grid_thw"] for c in conversations
-                                                         if c["image_grid_thw"] is not None]))
+    assert torch.equal(row["pixel_values"], torch.cat([c["pixel_values"] for c in conversations
+                                                       if c["pixel_values"] is not None]))
 
 
 def tiny_vl_folder(folder: Path, tokenizer) -> str:

@@ -86,8 +86,8 @@ def test_image_tokens_expand_as_the_processor_counts(photo_dir, tokenizer):
     processor = Qwen2VLImageProcessorPil()
     messages, paths = image_messages(parts_row(), None, photo_dir)
     pixels, grids = process_images(processor, paths)
-    counts = image_token_counts(grids, processor.merge_size)
-    ids, mask = tokenize_conversation(tokenizer, expanded_messages(messages, counts))
+    counts = image_token_counts(processor, pixels, grids)
+    ids, mask = tokenize_conversation(tokenizer, expanded_messages(messages, counts, processor))
     pad, start, end = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END])
     starts = [i for i, t in enumerate(ids) if t == start]
     assert len(starts) == 2 and ids.count(end) == 2
@@ -115,7 +115,7 @@ def test_patches_read_back_exactly_from_the_map(photo_dir):
                  process_images(processor, []), process_images(processor, [imgs / "chelsea.jpg"])]
     shard = photo_dir.parent / "shard-00000.arrow"
     patch_dim = sequences[0][0].shape[1]
-    writer = PatchWriter(shard, patch_dim)
+    writer = PatchWriter(shard, (patch_dim,), 3)
     for pixels, grids in sequences:
         writer.add(pixels.reshape(-1, patch_dim), grids)
     writer.close()

@@ -85,8 +85,9 @@ def image_chats(tokenizer, process, placeholder) -> list[dict]:
     return out
 
 
-def tiny_llava(tok, seed: int = 0):
-    """A 2-layer Llama decoder behind a 2-layer CLIP tower and LLaVA's projector, from its config classes."""
+def tiny_llava(tok, seed: int = 0, **config):
+    """A 2-layer Llama decoder behind a 2-layer CLIP tower and LLaVA's projector, from its config
+    classes; `config`: more LlavaConfig settings (e.g. vision_feature_select_strategy)."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     config = LlavaConfig(
@@ -95,7 +96,7 @@ def tiny_llava(tok, seed: int = 0):
                      "bos_token_id": None, "eos_token_id": None},
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": LLAVA_IMAGE, "patch_size": 14},
-        image_token_id=tok.convert_tokens_to_ids("<image>"))
+        image_token_id=tok.convert_tokens_to_ids("<image>"), **config)
     torch.manual_seed(seed)
     return LlavaForConditionalGeneration(config).float()
 

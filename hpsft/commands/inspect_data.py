@@ -20,7 +20,7 @@ from collections import Counter
 from hpsft.commands import command_parser
 from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.image_rows import IMAGE_PAD
+from hpsft.data.image_rows import Qwen2VLImages, image_layout
 from hpsft.data.image_sequences import image_rows_sequences
 from hpsft.data.inspection import (COLOR_MARKS, PLAIN_MARKS, compressed_image_pads, image_token_lines, input_files,
                                    length_report, marked_text)
@@ -80,12 +80,14 @@ def main(argv=None) -> int:
                     which = f"sequence {i + 1} of {len(result.sequences)}, " if len(result.sequences) > 1 else ""
                     print(f"=== {path} row {row_idx}: {which}{len(ids)} tokens, {sum(mask)} supervised")
                     text = marked_text(tokenizer, ids, mask, marks)
-                    if patches is not None:
-                        text = compressed_image_pads(text, IMAGE_PAD)
+                    layout = image_layout(processor) if patches is not None else None
+                    if layout is not None:
+                        text = compressed_image_pads(text, layout.image_token)
                     print(text)
-                    if patches is not None and len(patches[i][1]):
+                    # Where each image's tokens go: Qwen2-VL's (its grids); LLaVA's not shown yet.
+                    if isinstance(layout, Qwen2VLImages) and len(patches[i][1]):
                         print("\n".join(image_token_lines(ids, patches[i][1], tokenizer.convert_tokens_to_ids(
-                            IMAGE_PAD), processor.merge_size)))
+                            layout.image_token), layout.processor.merge_size)))
     print("\n".join(length_report(lengths, rows, refused, counts, opts)))
     return 0
 

@@ -4,8 +4,8 @@ Nothing is padded. All fields share one set of offsets (the batch's cu_seqlens),
 `batch["input_ids"].offsets()` describes every field. Per sequence: `index` (its position
 in the dataset) and `source` (which data.train_files/val_files entry it comes from; a sample
 that does not say is from the first). A vision-language model's batch (samples with
-`pixel_values` [patches, patch_dim] and `image_grid_thw` [images, 3]: token_store.py) also holds
-those two as jagged fields with their own offsets (patches, images per sequence), so that
+`pixel_values` [rows, *row_shape] and, Qwen2-VL's, `image_grid_thw` [images, 3]: token_store.py)
+also holds those as jagged fields with their own offsets (rows, images per sequence), so that
 selecting sequences selects their images.
 """
 
@@ -43,7 +43,7 @@ def collate_jagged(samples: list[dict]) -> TensorDict:
         torch.tensor([s.get("source", 0) for s in samples], dtype=torch.int64),
     )
     if samples and "pixel_values" in samples[0]:
-        for name in IMAGE_FIELDS:
+        for name in (name for name in IMAGE_FIELDS if name in samples[0]):
             batch[name] = torch.nested.nested_tensor_from_jagged(
                 torch.cat([s[name] for s in samples]), offsets=offsets_of([s[name].shape[0] for s in samples]))
     return batch
@@ -135,8 +135,8 @@ def packed_row(batch: TensorDict) -> dict:
         "offsets": offsets,
         "max_length": longest_sequence(offsets),
     }
-    # A vision row: its sequences' images in row order (packed_vision_lm.py's contract); none
-    # when no sequence of it has an image.
-    if "image_grid_thw" in batch.keys() and batch["image_grid_thw"].values().shape[0] > 0:
-        row.update({name: batch[name].values() for name in IMAGE_FIELDS})
+    # A vision row: its sequences' images in row order (packed_vision_lm.py's contract; LLaVA's
+    # without image_grid_thw); none when no sequence of it has an image.
+    if "pixel_values" in batch.keys() and batch["pixel_values"].values().shape[0] > 0:
+        row.update({name: batch[name].values() for name in IMAGE_FIELDS if name in batch.keys()})
     return row

@@ -8,8 +8,15 @@ Two row shapes carry images:
   `images` column (a list of paths), in order.
 Relative paths are resolved against the folder of the data file, never the working directory.
 Each image becomes IMAGE_MARK in its message's text; expanded_messages replaces every mark by the
-model's placeholder tokens, as many as the processor gives for that image (Qwen2-VL:
-`<|vision_start|>` + grid_t*grid_h*grid_w / merge_size**2 x `<|image_pad|>` + `<|vision_end|>`).
+model's placeholder tokens, as many as the processor gives for that image. Two layouts
+(image_layout):
+- Qwen2-VL (its Qwen2VLImageProcessor, the default): each image cut into patches, pixel_values
+  [patches, patch_dim] and image_grid_thw [1, 3] per image; placeholder `<|vision_start|>` +
+  grid_t*grid_h*grid_w / merge_size**2 x `<|image_pad|>` + `<|vision_end|>`;
+- LLaVA (LlavaImages: a CLIP image processor and the model's tower settings): each image resized
+  and cropped to the tower's size, pixel_values [1, C, H, W] per image, no grid; placeholder
+  `<image>` x (H // patch) * (W // patch) (+ 1 with the "full" vision_feature_select_strategy,
+  whose features keep CLIP's CLS), LlavaProcessor's count.
 """
 
 from pathlib import Path
@@ -94,37 +101,96 @@ def load_image(path: Path) -> Image.Image:
         raise BadRow(f"image {path} cannot be decoded ({err}): replace or remove it") from None
 
 
+class Qwen2VLImages:
+    """Qwen2-VL's layout of a row's images (the module docstring), from its image processor."""
+
+    image_token, tokens = IMAGE_PAD, (VISION_START, IMAGE_PAD, VISION_END)
+    grid_width = 3  # image_grid_thw's (t, h, w)
+
+    def __init__(self, processor):
+        self.processor = processor
+        # One stored row of pixel_values: a patch, RGB x temporal x patch x patch floats.
+        self.row_shape = (3 * processor.temporal_patch_size * processor.patch_size ** 2,)
+
+    def token_counts(self, pixels: np.ndarray, grids: np.ndarray) -> list[int]:
+        """The placeholder tokens each image takes: its patches merged merge_size x merge_size."""
+        return [int(t * h * w) // self.processor.merge_size ** 2 for t, h, w in grids]
+
+    def placeholder(self, count: int) -> str:
+        return VISION_START + IMAGE_PAD * count + VISION_END
+
+
+class LlavaImages:
+    """LLaVA's layout of a row's images (the module docstring): the folder's CLIP image processor
+    and what of the model's config decides the image tokens. Passed to the data stage in place of
+    the image processor (its to_dict keys the store)."""
+
+    image_token = IMAGE_MARK
+    tokens = (IMAGE_MARK,)
+    grid_width = 0  # no image_grid_thw: one stored row of pixel_values is a whole image
+
+    def __init__(self, processor, patch_size: int, feature_strategy: str, image_token_id: int):
+        crop = processor.crop_size
+        self.processor, self.patch_size, self.feature_strategy = processor, patch_size, feature_strategy
+        self.image_token_id = image_token_id  # the config's: the tokenizer's <image> must be it
+        self.row_shape = (3, crop["height"], crop["width"])
+
+    def to_dict(self) -> dict:
+        return {**self.processor.to_dict(), "llava patch_size": self.patch_size,
+                "llava vision_feature_select_strategy": self.feature_strategy}
+
+    def token_counts(self, pixels: np.ndarray, grids: np.ndarray) -> list[int]:
+        """LlavaProcessor's count per image: (H // patch) * (W // patch) features, CLIP's CLS kept
+        (+ 1) by the "full" strategy, dropped by "default"."""
+        _, height, width = pixels.shape[1:]
+        count = (height // self.patch_size) * (width // self.patch_size) + (self.feature_strategy == "full")
+        return [count] * len(pixels)
+
+    def placeholder(self, count: int) -> str:
+        return IMAGE_MARK * count
+
+
+def image_layout(processor) -> Qwen2VLImages | LlavaImages:
+    """The layout of what the data stage was handed: LlavaImages, or a Qwen2-VL image processor."""
+    return processor if isinstance(processor, LlavaImages) else Qwen2VLImages(processor)
+
+
 def process_images(processor, paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
-    """pixel_values float32 [patches, patch_dim] and image_grid_thw int64 [n_images, 3] of the
-    row's images, concatenated in order, as the processor gives them one image at a time."""
+    """pixel_values float32 [rows, *layout.row_shape] and image_grid_thw int64 [n_images,
+    layout.grid_width] of the row's images, concatenated in order, as the processor gives them one
+    image at a time (Qwen2-VL: a row per patch, a (t, h, w) grid per image; LLaVA: a row per image,
+    no grid)."""
+    layout = image_layout(processor)
     if not paths:
-        return np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)
-    outs = [processor(images=load_image(path), return_tensors="np") for path in paths]
+        return np.zeros((0, *layout.row_shape), np.float32), np.zeros((0, layout.grid_width), np.int64)
+    outs = [layout.processor(images=load_image(path), return_tensors="np") for path in paths]
     pixels = np.concatenate([np.asarray(o["pixel_values"], np.float32) for o in outs])
-    grids = np.concatenate([np.asarray(o["image_grid_thw"], np.int64) for o in outs])
-    return pixels, grids
+    grids = (np.concatenate([np.asarray(o["image_grid_thw"], np.int64) for o in outs]) if layout.grid_width
+             else np.zeros((len(outs), 0), np.int64))
+    return pixels.reshape(-1, *layout.row_shape), grids
 
 
-def image_token_counts(grids: np.ndarray, merge_size: int) -> list[int]:
-    """The number of placeholder tokens each image takes: its patches merged merge_size x merge_size."""
-    return [int(t * h * w) // merge_size ** 2 for t, h, w in grids]
+def image_token_counts(processor, pixels: np.ndarray, grids: np.ndarray) -> list[int]:
+    """The number of placeholder tokens each image of process_images' output takes."""
+    return image_layout(processor).token_counts(pixels, grids)
 
 
-def expanded_messages(messages: list[dict], counts: list[int]) -> list[dict]:
+def expanded_messages(messages: list[dict], counts: list[int], processor) -> list[dict]:
     """The messages with the k-th IMAGE_MARK (in message order) replaced by the model's placeholder
-    tokens for image k: rendered and tokenized as any chat, the image tokens land in their user turn
+    tokens for image k (the layout of `processor`): rendered and tokenized as any chat, the image tokens land in their user turn
     (outside the assistant mask) and count towards max_length."""
     marks = sum(m["content"].count(IMAGE_MARK) for m in messages if isinstance(m.get("content"), str))
     if marks != len(counts):
         raise BadRow(f"the messages hold {marks} {IMAGE_MARK} marks for {len(counts)} images: a text part that "
                      f"itself contains {IMAGE_MARK} is ambiguous; remove it from the text")
+    placeholder = image_layout(processor).placeholder
     pending, out = iter(counts), []
     for msg in messages:
         if isinstance(msg.get("content"), str) and IMAGE_MARK in msg["content"]:
             pieces = msg["content"].split(IMAGE_MARK)
             text = [pieces[0]]
             for piece in pieces[1:]:
-                text += [VISION_START, IMAGE_PAD * next(pending), VISION_END, piece]
+                text += [placeholder(next(pending)), piece]
             msg = {**msg, "content": "".join(text)}
         out.append(msg)
     return out

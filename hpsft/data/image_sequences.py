@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.image_rows import IMAGE_PAD, expanded_messages, image_messages, image_token_counts, process_images
+from hpsft.data.image_rows import expanded_messages, image_layout, image_messages, image_token_counts, process_images
 from hpsft.data.layouts import HOUSE_LAYOUT, row_messages
 from hpsft.data.row_sequences import RowSequences, rows_sequences
 from hpsft.data.rows import TokenizeOptions
@@ -30,18 +30,13 @@ IMAGES_COLUMN = "images"  # the ShareGPT/LLaVA rows' list of image paths
 @dataclass
 class ImageRowSequences:
     """A row's sequences (RowSequences) and, per sequence, its images' pixel_values
-    [patches, patch_dim] and image_grid_thw [images, 3] (zero rows for a text-only sequence);
-    `image_files`: the file_identity of each image read, taken before reading it (the store
-    prepares the shard again when one changes)."""
+    [rows, *row_shape] and image_grid_thw [images, grid_width] (image_rows.py's layouts; zero rows
+    for a text-only sequence); `image_files`: the file_identity of each image read, taken before
+    reading it (the store prepares the shard again when one changes)."""
 
     sequences: RowSequences
     patches: list[tuple[np.ndarray, np.ndarray]]
     image_files: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-def patch_dim(processor) -> int:
-    """The floats of one patch of the Qwen2-VL image processor: RGB x temporal x patch x patch."""
-    return 3 * processor.temporal_patch_size * processor.patch_size ** 2
 
 
 def image_rows_sequences(rows: list, tokenizer, processor, opts: TokenizeOptions,
@@ -55,15 +50,16 @@ def image_rows_sequences(rows: list, tokenizer, processor, opts: TokenizeOptions
             messages, paths = image_messages(messages, row.get(IMAGES_COLUMN), data_file)
             identities = [file_identity(path) for path in paths]  # before the read: a later change is seen
             pixels, grids = process_images(processor, paths)
-            counts = image_token_counts(grids, processor.merge_size)
-            house_row = {"messages": expanded_messages(messages, counts), "tools": tools}
-            pending.append((house_row, pixels.reshape(-1, patch_dim(processor)), grids, sum(counts), identities))
+            counts = image_token_counts(processor, pixels, grids)
+            house_row = {"messages": expanded_messages(messages, counts, processor), "tools": tools}
+            pending.append((house_row, pixels, grids, sum(counts), identities))
         except BadRow as err:
             pending.append(err)
     house_opts = replace(opts, **HOUSE_LAYOUT)
     results = iter(rows_sequences([p[0] for p in pending if not isinstance(p, BadRow)], tokenizer, house_opts))
-    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    no_patches = (np.zeros((0, patch_dim(processor)), np.float32), np.zeros((0, 3), np.int64))
+    layout = image_layout(processor)
+    pad = tokenizer.convert_tokens_to_ids(layout.image_token)
+    no_patches = (np.zeros((0, *layout.row_shape), np.float32), np.zeros((0, layout.grid_width), np.int64))
     out = []
     for p in pending:
         if isinstance(p, BadRow):

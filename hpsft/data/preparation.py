@@ -43,8 +43,8 @@ from pathlib import Path
 from hpsft.data import chat_messages, chat_tokenize, image_rows, image_sequences, patch_store, \
     row_sequences as row_sequences_module, rows, shards, token_store
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.image_rows import IMAGE_PAD, VISION_END, VISION_START
-from hpsft.data.image_sequences import image_rows_sequences, patch_dim
+from hpsft.data.image_rows import LlavaImages, image_layout
+from hpsft.data.image_sequences import image_rows_sequences
 from hpsft.data.patch_store import MappedPatches, PatchWriter
 from hpsft.data.row_sequences import rows_sequences
 from hpsft.data.rows import DataError, TokenizeOptions, UnreadableRow
@@ -154,7 +154,8 @@ def prepare_shard(job: ShardJob) -> dict:
     start = time.perf_counter()
     writer = ShardWriter(job.arrow_path)
     # A vision-language model's store: each sequence's image patches beside its tokens.
-    patches = None if processor is None else PatchWriter(job.arrow_path, patch_dim(processor))
+    layout = None if processor is None else image_layout(processor)
+    patches = None if layout is None else PatchWriter(job.arrow_path, layout.row_shape, layout.grid_width)
     tally = {"rows": 0, "skipped": 0, "counts": Counter(), "images": 0, "image_files": {}}
 
     def sequences_of(readable_rows: list) -> list:
@@ -539,7 +540,7 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
         raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no chat template: name one with "
                         "data.chat_template=<Jinja text or .jinja file>")
     if processor is not None:
-        check_image_tokens(tokenizer)
+        check_image_tokens(tokenizer, processor)
     shard_bytes = max(1, int(shard_mb * (1 << 20)))
     identity = store_identity(files, tokenizer, opts, shard_bytes, processor)
     key = store_key(identity)
@@ -579,13 +580,18 @@ def prepare(entry: str, tokenizer, opts: TokenizeOptions, cache_dir: str | Path,
     return store_dir, manifest
 
 
-def check_image_tokens(tokenizer) -> None:
-    """A vision-language model's tokenizer writes each image placeholder as one token."""
+def check_image_tokens(tokenizer, processor) -> None:
+    """A vision-language model's tokenizer writes each image placeholder as one token (LLaVA's
+    `<image>`: the model config's image_token_id)."""
     vocabulary = tokenizer.get_vocab()
-    missing = [t for t in (VISION_START, IMAGE_PAD, VISION_END) if t not in vocabulary]
+    missing = [t for t in image_layout(processor).tokens if t not in vocabulary]
     if missing:
         raise DataError(f"the tokenizer of {tokenizer.name_or_path} has no tokens {missing}: image rows need the "
                         "vision-language model's own tokenizer (its folder's tokenizer files)")
+    if isinstance(processor, LlavaImages) and vocabulary[processor.image_token] != processor.image_token_id:
+        raise DataError(f"the tokenizer of {tokenizer.name_or_path} has {processor.image_token} as token "
+                        f"{vocabulary[processor.image_token]}, the model's config.json has image_token_id="
+                        f"{processor.image_token_id}: use the tokenizer the model was built with")
 
 
 def summary_text(manifest: dict) -> str:

@@ -124,7 +124,8 @@ class DamagedShard(DataError):
 class TokenStore(torch.utils.data.Dataset):
     """The sequences of a prepared store, in shard order: item i is {input_ids, loss_mask, index},
     and in a vision-language model's store (summary["images"]) its images' pixel_values
-    [patches, patch_dim] and image_grid_thw [images, 3], read from the shards' patch files.
+    [rows, *row_shape] and (Qwen2-VL's, not LLaVA's) image_grid_thw [images, 3], read from the
+    shards' patch files (patch_store.py).
 
     `shard_files`: the shard files with what their sidecars say they hold. Pickles as its file
     list (a DataLoader worker maps the files again instead of copying the tokens).
@@ -178,5 +179,6 @@ class TokenStore(torch.utils.data.Dataset):
             shard = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
             pixels, grids = self.patches[shard][i - int(self.shard_starts[shard])]
             item["pixel_values"] = torch.from_numpy(np.array(pixels))  # a copy: the map is read-only
-            item["image_grid_thw"] = torch.from_numpy(np.array(grids))
+            if grids.shape[1]:  # LLaVA's images have no grid (width 0)
+                item["image_grid_thw"] = torch.from_numpy(np.array(grids))
         return item

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.image_rows import IMAGE_PAD, expanded_messages, image_messages, image_token_counts, process_images
+from hpsft.data.image_rows import expanded_messages, image_layout, image_messages, image_token_counts, process_images
 from hpsft.models.loading import auto_model_class, check_model_path, load_tokenizer
 from hpsft.utils.errors import UserInputError
 
@@ -46,12 +46,14 @@ def prompt_inputs(tokenizer, messages: list[dict], images: list[Path] = (), proc
             pixels, grids = process_images(processor, paths)
         except BadRow as err:
             raise UserInputError(f"--image: {err}") from None
-        messages = expanded_messages(messages, image_token_counts(grids, processor.merge_size))
-        extra = {"pixel_values": torch.from_numpy(pixels), "image_grid_thw": torch.from_numpy(grids)}
+        messages = expanded_messages(messages, image_token_counts(processor, pixels, grids), processor)
+        extra = {"pixel_values": torch.from_numpy(pixels)}
+        if grids.shape[1]:  # Qwen2-VL's (t, h, w) grids; LLaVA's images have none
+            extra["image_grid_thw"] = torch.from_numpy(grids)
     input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                               return_dict=True)["input_ids"]
-    if images:  # which tokens are image tokens: Qwen2-VL's 3-D rotary positions are built from it
-        extra["mm_token_type_ids"] = (input_ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()
+    if "image_grid_thw" in extra:  # which tokens are image tokens: Qwen2-VL's 3-D rotary positions need it
+        extra["mm_token_type_ids"] = (input_ids == tokenizer.convert_tokens_to_ids(image_layout(processor).image_token)).int()
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), **extra}
 
 

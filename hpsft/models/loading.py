@@ -92,14 +92,29 @@ def auto_model_class(folder, trust_remote_code: bool = False):
 
 
 def load_image_processor(path: str, trust_remote_code: bool = False):
-    """The image processor of a vision-language model's folder (its preprocessor_config.json)."""
-    from transformers import AutoImageProcessor
+    """The image processor of a vision-language model's folder (its preprocessor_config.json); for
+    LLaVA, LlavaImages: its processor with the config's tower settings that decide the image tokens."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    from hpsft.data.image_rows import LlavaImages
 
     try:
-        return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserInputError(f"model.path={path} is a vision-language model without a usable image processor "
                              f"({str(err).splitlines()[0][:200]}): add its preprocessor_config.json") from None
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if config.model_type != "llava":
+        return processor
+    # The count of <image> tokens per image assumes CLIP's features: its CLS first, then one per patch.
+    if config.vision_config.model_type != "clip_vision_model" or not hasattr(processor, "crop_size"):
+        raise UserInputError(f"model.path={path}: hpsft prepares LLaVA's images for a CLIP vision tower and image "
+                             f"processor, not {config.vision_config.model_type} with {type(processor).__name__}")
+    if config.vision_feature_select_strategy not in ("default", "full"):
+        raise UserInputError(f"model.path={path}: vision_feature_select_strategy="
+                             f"{config.vision_feature_select_strategy!r} in config.json, LLaVA's are default, full")
+    return LlavaImages(processor, config.vision_config.patch_size, config.vision_feature_select_strategy,
+                       config.image_token_id)
 
 
 def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkpointing: bool = False,
