@@ -14,7 +14,7 @@ STEP_RTOL = 2e-6  # fp32, the dp sizes sum gradients in other orders: measured u
 # are accumulated and reduced in fp32, docs/precision.md; until that, bf16 ZeRO-2 reduced bf16
 # gradients and needed 2e-3 here).
 RESHARD_RTOL = 1e-6
-# bf16 ZeRO-2 only: on the 2026-12-07 machine (the same package versions) its 2-rank step 3 was
+# bf16 ZeRO-2 only: on the 2026-12-07 machine (deepspeed 0.19.8, torch 2.13.0) its 2-rank step 3 was
 # 1.5e-7 off the 1-rank run, and the bf16 weights then amplified that to 4.2e-4 by step 6 (old
 # main 7994017 the same; ZeRO-1/3 bf16 still 0). Cause not found; until it is, the pre-fp32-
 # accumulation bound, below what the planted moments-zeroed bug gave every variant (2.0e-2 to 6.1e-2,
