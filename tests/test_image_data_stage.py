@@ -19,6 +19,7 @@ from hpsft.data.preparation import LocalRunner, prepared_store
 from hpsft.data.rows import DataError
 from hpsft.data.shards import plan_shards
 from tests.conftest import REPO, TEST_MODEL, train_env, write_jsonl
+from tests.test_export import folder_weights
 from tests.test_data_stage import options
 
 PHOTOS = {"astronaut.jpg": ("astronaut", (112, 84)), "coffee.png": ("coffee", (140, 112)),
@@ -51,9 +52,12 @@ def family_processor(family: str, tokenizer):
 
 
 def tiny_model(family: str, tokenizer):
+    """The family's tiny model (qwen2_vl, qwen2_5_vl, llava with the "full" strategy)."""
     from tests.test_vision_lm import tiny_llava, tiny_qwen2_vl
 
-    return tiny_llava(tokenizer, vision_feature_select_strategy="full") if family == "llava" else tiny_qwen2_vl(tokenizer)
+    if family == "llava":
+        return tiny_llava(tokenizer, vision_feature_select_strategy="full")
+    return tiny_qwen2_vl(tokenizer, family)
 
 
 def own_processing(family: str, tokenizer, photos: list[Path]) -> tuple[np.ndarray, np.ndarray | None, int]:
@@ -284,13 +288,7 @@ def test_selected_store_sequences_pack_into_a_row_the_models_own_forward_agrees_
     batch = collate_jagged([store[i] for i in range(len(store))])
     chosen = [4, 2, 0, len(store) - 1]
     row = packed_row(select(batch, chosen))
-    conversations = []
-    for i in chosen:
-        item = store[i]
-        has_images = item["pixel_values"].shape[0] > 0
-        conversations.append({"input_ids": item["input_ids"], "loss_mask": item["loss_mask"],
-                              "pixel_values": item["pixel_values"] if has_images else None,
-                              "image_grid_thw": item.get("image_grid_thw") if has_images else None})
+    conversations = [own_forward_input(store[i]) for i in chosen]
     assert [c["pixel_values"] is None for c in conversations] == [False, True, False, False]
     assert ("image_grid_thw" in row) == (family == "qwen2_vl")
     lm = tiny_model(family, vl_tokenizer)
@@ -302,14 +300,20 @@ def test_selected_store_sequences_pack_into_a_row_the_models_own_forward_agrees_
                                                        if c["pixel_values"] is not None]))
 
 
-def tiny_vl_folder(folder: Path, tokenizer) -> str:
-    """A 2-layer Qwen2-VL (tests/test_vision_lm.py's tiny_qwen2_vl) saved with its tokenizer and
-    image processor: the model folder `hpsft train` takes."""
-    from tests.test_vision_lm import tiny_qwen2_vl
+def own_forward_input(item) -> dict:
+    """A store item as test_vision_lm.own_forward_loss takes a conversation (no images: None)."""
+    has_images = item["pixel_values"].shape[0] > 0
+    return {"input_ids": item["input_ids"], "loss_mask": item["loss_mask"],
+            "pixel_values": item["pixel_values"] if has_images else None,
+            "image_grid_thw": item.get("image_grid_thw") if has_images else None}
 
-    tiny_qwen2_vl(tokenizer).save_pretrained(folder)
+
+def tiny_vl_folder(folder: Path, tokenizer, family: str = "qwen2_vl") -> str:
+    """The family's 2-layer model (tiny_model) saved with its tokenizer and image processor
+    (LLaVA's: CLIP's at the tower's 42 x 42): the model folder `hpsft train` takes."""
+    tiny_model(family, tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    image_processor().save_pretrained(folder)
+    (llava_images(tokenizer).processor if family == "llava" else image_processor()).save_pretrained(folder)
     return str(folder)
 
 
@@ -335,14 +339,16 @@ def parameters_of(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_stays(image_data, tmp_path,
-                                                                                   vl_tokenizer):
+def test_training_on_image_rows_at_dp2_equals_one_process_exports_and_a_frozen_tower_stays(image_data, tmp_path,
+                                                                                           vl_tokenizer):
     """`hpsft train` on the image rows with a tiny Qwen2-VL folder (2 steps of 6 sequences, 3 per
     micro-batch, the ranks' micro-batches with and without images): 2 ranks under ZeRO-2 give each
     step's loss and unclipped grad norm of one process (fp32, <= 1e-5 relative). With
     model.freeze_vision=true the exported vision tower (and its merger) is bit-identical to the
     folder's while the decoder moved, and the export's image processor (its preprocessor_config.json,
-    copied from the model folder) has the folder's settings. ZeRO-3 is refused naming
+    copied from the model folder) has the folder's settings. `hpsft export` of the DP=2 run's last
+    checkpoint (ZeRO-2 shards) equals that run's end-of-run hf/ in every tensor (bit for bit), loads
+    with AutoModelForImageTextToText, and carries the same processor and tokenizer files. ZeRO-3 is refused naming
     engine.zero_stage before any data is prepared. Measured: losses 10.7837284 / 10.4840388 (one
     process) vs 10.7837288 / 10.4840393, grad norms 4.86445379 / 2.93442845 vs 4.86445379 /
     2.93442893 (rel <= 1.6e-7). Planted bugs:
@@ -356,8 +362,8 @@ def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_sta
     from tests.conftest import assert_ok, rel_diff, run_cli
 
     model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
-    runs = {"one": (1, {}), "zero2": (2, {}), "frozen": (1, {"model.freeze_vision": "true",
-                                                             "trainer.export_hf": "true"})}
+    runs = {"one": (1, {}), "zero2": (2, {"trainer.export_hf": "true"}),
+            "frozen": (1, {"model.freeze_vision": "true", "trainer.export_hf": "true"})}
     for name, (nproc, extra) in runs.items():
         assert_ok(run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / name,
                                                       **{"engine.zero_stage": 2, **extra}), nproc=nproc))
@@ -376,10 +382,54 @@ def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_sta
 
     exported = AutoImageProcessor.from_pretrained(tmp_path / "frozen" / "hf").to_dict()
     assert exported == AutoImageProcessor.from_pretrained(model).to_dict(), exported
+    # `hpsft export` of the DP=2 run's last checkpoint (ZeRO-2 shards) is its end-of-run export, every tensor.
+    assert_ok(run_cli("hpsft.export", [str(tmp_path / "zero2"), str(tmp_path / "exported")]))
+    end_of_run, exported = folder_weights(tmp_path / "zero2" / "hf"), folder_weights(tmp_path / "exported")
+    assert exported.keys() == end_of_run.keys() and any(".visual." in name for name in exported)
+    assert all(torch_equal(exported[name], end_of_run[name]) for name in end_of_run)
+    assert set(parameters_of(tmp_path / "exported")) == set(before)  # transformers loads it
+    for name in ("preprocessor_config.json", "tokenizer_config.json"):
+        assert (tmp_path / "exported" / name).read_bytes() == (tmp_path / "zero2" / "hf" / name).read_bytes(), name
     refused = run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / "zero3", **{"engine.zero_stage": 3}))
     assert refused.returncode != 0 and "does not train with engine.zero_stage=3 yet" in refused.stderr, \
         refused.stderr[-2000:]
     assert not (tmp_path / "zero3").exists()
+
+
+@pytest.mark.slow
+def test_llava_and_qwen2_5_vl_train_through_the_cli_as_their_own_forward_computes(image_data, tmp_path, vl_tokenizer):
+    """`hpsft train` (one process, no shuffle: step k trains store sequences 6(k-1)..6k-1, 3 per
+    micro-batch) on a tiny LLaVA folder (CLIP tower, Llama decoder, CLIP's image processor, the
+    "full" strategy) and a tiny Qwen2.5-VL folder (windowed tower attention): each step's loss
+    and unclipped grad norm == the model's own Hugging Face forward on those sequences alone
+    (test_vision_lm.own_forward_loss), run on the folder's weights for step 1 and on
+    `hpsft export` of the step-1 checkpoint for step 2 (fp32, <= 1e-5 relative)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tests.conftest import assert_ok, rel_diff, run_cli
+    from tests.test_vision_lm import own_forward_loss
+
+    def check(family: str, step: int, weights, store, figures: tuple[float, float]) -> None:
+        lm = AutoModelForImageTextToText.from_pretrained(weights, dtype=torch.float32)
+        sequences = [own_forward_input(store[i]) for i in range(6 * (step - 1), 6 * step)]
+        (loss, norm), (ref_loss, ref_norm) = figures, own_forward_loss(lm, sequences)
+        print(f"{family} step {step}: loss {loss:.8f} vs own {ref_loss:.8f}, grad norm {norm:.8f} vs own {ref_norm:.8f}")
+        assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, (family, step, loss, ref_loss,
+                                                                                       norm, ref_norm)
+
+    for family in ("llava", "qwen2_5_vl"):
+        model = tiny_vl_folder(tmp_path / family / "model", vl_tokenizer, family)
+        run, step_1 = tmp_path / family / "run", tmp_path / family / "step_1"
+        assert_ok(run_cli("hpsft.train", vl_overrides(model, image_data, run, **{
+            "trainer.save_every": 1, "data.shuffle": "false"})))
+        store = prepared_store(str(image_data), vl_tokenizer, options(max_length=256), tmp_path / family / "store",
+                               LocalRunner(1), processor=family_processor(family, vl_tokenizer))
+        figures = step_figures(run)
+        assert len(figures) == 2
+        check(family, 1, model, store, figures[0])
+        assert_ok(run_cli("hpsft.export", [str(run / "checkpoints" / "global_step_1"), str(step_1)]))
+        check(family, 2, step_1, store, figures[1])
 
 
 def torch_equal(a, b) -> bool:

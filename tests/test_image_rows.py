@@ -54,12 +54,22 @@ def test_rows_resolve_images_against_the_data_file(photo_dir, tmp_path, monkeypa
 @pytest.mark.parametrize("change, error", [
     (lambda m, imgs: (m, imgs + ["imgs/chelsea.jpg"]), "2 <image> placeholders but its images column lists 3"),
     (lambda m, imgs: (m, ["imgs/astronaut.jpg", "imgs/missing.jpg"]), "image 'imgs/missing.jpg' not found"),
+    (lambda m, imgs: (m, imgs[:1]), "2 <image> placeholders but its images column lists 1"),
     (lambda m, imgs: ([{**m[0], "content": [{"type": "image_url", "image_url": "https://x.org/a.jpg"}]}, m[1]],
                       None), "is a URL"),
+    (lambda m, imgs: ([m[0], {**m[1], "content": "<image>"}], imgs + ["imgs/chelsea.jpg"]),
+     "message 1 [(]assistant[)] holds an image: images go in user turns only"),
+    (lambda m, imgs: ([{"role": "user", "content": "what?"},
+                       {"role": "assistant", "content": [{"type": "image", "image": "imgs/chelsea.jpg"}]}], None),
+     "message 1 [(]assistant[)] holds an image"),
 ])
 def test_bad_image_rows_are_refused_by_name(photo_dir, change, error):
-    """A wrong placeholder count, a missing file and a URL are BadRows naming the image and the fix.
-    Planted bug: the placeholder count check dropped -> the first case raised nothing (DID NOT RAISE)."""
+    """A wrong placeholder count (more images than marks, a mark without an image), a missing file, a
+    URL and an image in an assistant turn (its tokens would be inside the loss mask; as a mark with an
+    images column, or as a content part) are BadRows naming the image or message and the fix (the
+    data stage adds the file and row: test_image_data_stage's missing-image case). Planted bugs: the
+    placeholder count check dropped -> the first case raised nothing (DID NOT RAISE); the user-turn
+    check dropped -> both assistant cases DID NOT RAISE."""
     llava = [{"role": "user", "content": "<image>and<image>what?"}, {"role": "assistant", "content": "ok"}]
     messages, images = change(llava, ["imgs/astronaut.jpg", "imgs/coffee.png"])
     with pytest.raises(BadRow, match=error):

@@ -15,14 +15,14 @@ import numpy as np
 MAX_SWAP_PAIRS = 1 << 16  # parts larger than this (256 x 256 sequences) balance well by the greedy pass alone
 
 
-def sequence_costs(lengths, attention_hidden_size: int | None = None) -> np.ndarray:
+def sequence_costs(lengths, attention_hidden_size: int | None = None, image_costs=None) -> np.ndarray:
     """The work of each sequence: its tokens, or with `attention_hidden_size` h its tokens
     plus attention's quadratic term, L * (1 + L / (6h)) (attention's score and value matmuls,
-    4hL^2 flops, against a dense layer's 24h^2 flops per token)."""
+    4hL^2 flops, against a dense layer's 24h^2 flops per token); plus `image_costs`, the vision
+    tower's work on each sequence's images in decoder tokens (hpsft/models/vision_cost.py)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    if attention_hidden_size is None:
-        return lengths
-    return lengths * (1.0 + lengths / (6.0 * attention_hidden_size))
+    costs = lengths if attention_hidden_size is None else lengths * (1.0 + lengths / (6.0 * attention_hidden_size))
+    return costs if image_costs is None else costs + np.asarray(image_costs, dtype=np.float64)
 
 
 def split_by_cost(costs, n_parts: int) -> list[list[int]]:

@@ -53,6 +53,10 @@ def image_messages(messages, images, data_file: Path) -> tuple[list[dict], list[
             raise BadRow(f"the row's text has {marks} {IMAGE_MARK} placeholders but its images column lists "
                          f"{len(images)} images: put one {IMAGE_MARK} in the text where each image goes")
         paths = list(images)
+    for i, msg in enumerate(out):
+        # An image's tokens would land in that turn: in an assistant turn, inside the loss mask.
+        if paths and msg.get("role") != "user" and IMAGE_MARK in str(msg.get("content")):
+            raise BadRow(f"message {i} ({msg.get('role')}) holds an image: images go in user turns only")
     return out, [resolve_image(path, data_file) for path in paths]
 
 

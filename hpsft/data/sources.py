@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hpsft.data.batch import IMAGE_FIELDS
+from hpsft.data.token_store import TokenStore
 from hpsft.utils.errors import UserInputError
 
 
@@ -49,6 +50,17 @@ class SourcedDataset(torch.utils.data.Dataset):
         if self.lengths is not None:
             return self.lengths[indices]
         return np.array([self[i]["input_ids"].numel() for i in indices], dtype=np.int64)
+
+    def image_grids(self, indices: list[int]) -> list[np.ndarray]:
+        """Each of these samples' image grids, one row per image (for balancing ranks: the vision
+        tower's work); a store without images, or a custom dataset class, gives none."""
+        out = []
+        for i in indices:
+            source = bisect.bisect_right(self.starts, i) - 1
+            store = self.datasets[source]
+            has_images = isinstance(store, TokenStore) and store.patches is not None
+            out.append(store.image_grids(i - self.starts[source]) if has_images else np.zeros((0, 3), np.int64))
+        return out
 
     def checked(self, item, source: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         where = f"data source {self.names[source]!r} item {i} ({self.described_by})"

@@ -171,6 +171,13 @@ class TokenStore(torch.utils.data.Dataset):
         start, end = int(self.offsets[b][j]), int(self.offsets[b][j + 1])
         return self.ids[b][start:end], self.masks[b][start:end]
 
+    def image_grids(self, i: int) -> np.ndarray:
+        """Sequence i's image_grid_thw rows, one per image (LLaVA's: width 0), from the patch index
+        alone (for the rank balance: no pixels read)."""
+        shard = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
+        patches, j = self.patches[shard], i - int(self.shard_starts[shard])
+        return patches.grid_thw[patches.image_offsets[j]:patches.image_offsets[j + 1]]
+
     def __getitem__(self, i: int) -> dict:
         ids, mask = self.sequence(i)
         item = {"input_ids": torch.from_numpy(ids.astype(np.int64)),

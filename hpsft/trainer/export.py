@@ -106,12 +106,12 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
 def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
            max_shard_mb: int = DEFAULT_MAX_SHARD_MB, adapter_only: bool = False) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     from hpsft.config import LoraConfig
     from hpsft.data.rows import chat_template_text
     from hpsft.models import load_tokenizer, write_hf_folder
-    from hpsft.models.loading import check_model_path
+    from hpsft.models.loading import auto_model_class, check_model_path
     from hpsft.models.lora import add_lora, write_adapter_folder
     from hpsft.trainer.checkpoint import CheckpointManager
     from hpsft.utils.progress import progress_bar
@@ -134,7 +134,8 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     model_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model_config.dtype = torch.float32  # the weights the checkpoint holds
     with torch.device("meta"):  # names, shapes and ties only: no memory
-        lm = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+        # The class training built (a vision-language folder's has the tower): its names are the checkpoint's.
+        lm = auto_model_class(folder, trust_remote_code).from_config(model_config, trust_remote_code=trust_remote_code)
         if lora_settings is not None:
             add_lora(lm, LoraConfig(**lora_settings), seed=0)  # the adapters' names and shapes
     tokenizer = load_tokenizer(str(folder), trust_remote_code)

@@ -25,6 +25,7 @@ from hpsft.engine import engine_class
 from hpsft.utils.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
 from hpsft.models.loading import is_vision_language_folder, load_image_processor
+from hpsft.models.vision_cost import VisionTowerCost
 from hpsft.utils.progress import progress_bar, step_postfix
 from hpsft.trainer.tracking import Tracker, check_trackers_available
 from hpsft.trainer.checkpoint import RUN_FINGERPRINT, CheckpointManager, warn
@@ -195,15 +196,18 @@ class SFTTrainer:
         """This process's part of each step's global batch: the SPMD rank's share by tokens, or
         the whole batch on the Ray driver (its worker group splits it)."""
         data = self.config.data
-        hidden = self.model_hidden_size() if data.balance == "attention" else None
+        model_config = self.model_config()
+        hidden = model_config.get_text_config().hidden_size if data.balance == "attention" else None
+        # A vision model's images cost their tower's work too (the image tokens count as decoder tokens already).
+        tower_cost = VisionTowerCost(model_config) if getattr(model_config, "vision_config", None) else None
         return StepBatchSampler(self.train_dataset, data.mixture_weights(), data.train_batch_size, self.mesh.data_part,
-                                self.mesh.loading_ranks, data.shuffle, self.config.trainer.seed, hidden)
+                                self.mesh.loading_ranks, data.shuffle, self.config.trainer.seed, hidden, tower_cost)
 
-    def model_hidden_size(self) -> int:
+    def model_config(self):
         from transformers import AutoConfig
 
         model = self.config.model
-        return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).hidden_size
+        return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
 
     def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()
