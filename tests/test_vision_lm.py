@@ -293,3 +293,33 @@ def test_the_text_path_refuses_a_vision_language_model(tokenizer):
 
     with pytest.raises(UnsupportedModel, match="'qwen2_vl' with a vision tower"):
         check_supported(tiny_qwen2_vl(tokenizer), "hpsft_varlen")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
+def test_a_text_only_row_gives_the_tower_zero_gradients_and_the_text_loss(request, tokenizer, family):
+    """A row without images (the text-only chat alone): every tower and projector parameter that an
+    image row trains gets a gradient, all zeros, not None (the blank image times 0: a data-parallel
+    rank whose row has no image must reduce the same gradients as one whose row has), while the loss
+    and unclipped grad norm equal the model's own forward on that chat (fp32, 1e-5 relative) and
+    each other parameter's gradient is the own forward's (within 1e-5 of its norm).
+
+    Planted bug, seen failing: the blank image removed (decoder_inputs' `elif not
+    self.freeze_vision` branch dropped) -> the tower's gradients were None (the first assertion)."""
+    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer, family)
+    image_chats_ = request.getfixturevalue("llava_conversations" if family == "llava" else "conversations")
+    text_only = [c for c in image_chats_ if c["pixel_values"] is None]
+    packed_loss(lm, vision_row(image_chats_))
+    tower = {name for m in vision_modules(lm) for name, p in m.named_parameters(prefix=m._get_name())
+             if p.grad is not None}
+    ref_loss, ref_norm = own_forward_loss(lm, text_only)
+    own_grads = {name: p.grad.clone() for name, p in lm.named_parameters() if p.grad is not None}
+    row = vision_row(text_only)
+    assert "pixel_values" not in row
+    loss, norm, packed = packed_loss(lm, row)
+    grads = {m._get_name() + "." + name: p.grad for m in vision_modules(lm) for name, p in m.named_parameters()}
+    assert tower and all(grads[name] is not None and not grads[name].any() for name in tower), \
+        [name for name in tower if grads[name] is None or grads[name].any()]
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
+    for name, grad in own_grads.items():  # each parameter's gradient within 1e-5 of its norm
+        assert (dict(lm.named_parameters())[name].grad - grad).norm() <= 1e-5 * grad.norm(), name

@@ -34,8 +34,10 @@ varlen cross-entropy on the assistant tokens (no logits built).
 
 freeze_vision=True freezes the vision tower and its projector (Qwen2-VL's `visual`, whose
 merger is the projector; LLaVA's vision_tower and multi_modal_projector): no gradient reaches
-them and they run without autograd.
-Not yet: sequence parallelism (a slice of the row would cut images apart); ZeRO-3 (docs/vision.md).
+them and they run without autograd. A row without images still runs the tower on a blank image,
+its features added times 0 (decoder_inputs), when the tower is trained or partitioned (ZeRO-3):
+every data-parallel rank then reduces the same gradients and gathers the same parameters.
+Not yet: sequence parallelism (a slice of the row would cut images apart).
 """
 
 import torch
@@ -43,6 +45,7 @@ from torch import nn
 
 from hpsft.models.families import UnsupportedModel
 from hpsft.models.packed_causal_lm import PackedCausalLM
+from hpsft.models.partitioned import is_partitioned
 
 # Vision-language classes hpsft trains exactly, and their vision tower + projector.
 VISION_MODULES = {
@@ -100,6 +103,9 @@ class PackedVisionLM(PackedCausalLM):
         super().__init__(lm, **loss_options)
         self.freeze_vision = freeze_vision
         self.mrope = hasattr(lm.model, "get_rope_index")  # Qwen2-VL's 3-D positions
+        # The tower runs in every forward, a row without images on a blank image (decoder_inputs),
+        # when its parameters are trained or ZeRO-3's (gathered in its forward).
+        self.tower_every_row = not freeze_vision or is_partitioned(lm)
         for module in vision_modules(lm):
             module.requires_grad_(not freeze_vision)
 
@@ -141,7 +147,28 @@ class PackedVisionLM(PackedCausalLM):
         per_image = self.image_features(pixel_values, image_grid_thw) if pixel_values is not None else []
         if not self.mrope:
             images_per_sequence(image_mask, offsets, [f.shape[0] for f in per_image])
+        # Another data-parallel rank's row may have images: every rank must give every tower
+        # parameter a gradient (ZeRO's gradient buckets differ between ranks otherwise: gloo aborts
+        # on the size mismatch) and, under ZeRO-3, gather the tower's parameters in the same order
+        # (before the embeddings, frozen or not). So a row without images runs the tower on a
+        # blank image whose features are added times 0: zero gradients, the embeddings unchanged.
+        blank = (self.image_features(*self.blank_image(input_ids.device)) if not per_image and self.tower_every_row
+                 else [])
         embeds = self.lm.get_input_embeddings()(input_ids)
         if per_image:
             embeds = embeds.masked_scatter(image_mask[None, :, None], torch.cat(per_image).to(embeds.dtype))
+        elif blank:
+            embeds = embeds + 0 * torch.cat(blank).sum().to(embeds.dtype)  # x + 0.0 == x
         return {"inputs_embeds": embeds, "position_ids": position_ids}
+
+    def blank_image(self, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The smallest image the tower takes, all zeros: (pixel_values, image_grid_thw). Qwen2-VL's
+        is one merge_size x merge_size grid of patches (one image token); LLaVA's one image at the
+        tower's size."""
+        vision = self.lm.config.vision_config
+        if self.mrope:
+            merge = vision.spatial_merge_size
+            patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+            return (torch.zeros(merge * merge, patch_dim, device=device),
+                    torch.tensor([[1, merge, merge]], device=device))
+        return torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size, device=device), None

@@ -10,6 +10,7 @@ file (memory-mapped, read tensor by tensor), and the parameter is partitioned ag
 import ctypes
 import ctypes.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,23 +33,38 @@ def weight_files(folder: Path, reader: str = "with engine.zero_stage=3") -> list
     )
 
 
-def check_weights_match(lm: nn.Module, folder: Path, files: list[Path]) -> None:
-    """Every parameter and persistent buffer of `lm` is in the files, with its shape, and nothing
-    else is: checked on every rank from the files' headers, before any collective."""
+def model_name_of(lm: nn.Module) -> Callable[[str], str]:
+    """A saved weight's name -> the model's name for it, by transformers' own renamings (those
+    from_pretrained applies, get_model_conversion_mapping): e.g. Qwen2-VL's `model.layers.*`, as its
+    save_pretrained writes them, -> `model.language_model.layers.*`. Its converters (weights fused
+    or split, e.g. MoE experts) are not applied: such a name stays as saved, and
+    check_weights_match refuses it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in get_model_conversion_mapping(lm) if isinstance(t, WeightRenaming)]
+    names = lm.state_dict(keep_vars=True)  # where the base-model prefix is added or dropped
+    return lambda name: rename_source_key(name, renamings, [], lm.base_model_prefix, names)[0]
+
+
+def check_weights_match(lm: nn.Module, folder: Path, files: list[Path], model_name: Callable[[str], str]) -> None:
+    """Every parameter and persistent buffer of `lm` is in the files (under model_name), with its
+    shape, and nothing else is: checked on every rank from the files' headers, before any collective."""
     from safetensors import safe_open
 
     tensors = dict(lm.named_parameters(remove_duplicate=False)) | dict(lm.named_buffers())
     found, problems = set(), []
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for saved in f.keys():
+                name = model_name(saved)
                 if name not in tensors:
-                    problems.append(f"{file.name} holds {name!r}, which the model does not have")
+                    problems.append(f"{file.name} holds {saved!r}, which the model does not have")
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = tuple(f.get_slice(saved).get_shape())
                 expected = tuple(getattr(tensors[name], "ds_shape", tensors[name].shape))
                 if shape != expected:
-                    problems.append(f"{name!r} is {list(shape)} in {file.name}, the model's is {list(expected)}")
+                    problems.append(f"{saved!r} is {list(shape)} in {file.name}, the model's is {list(expected)}")
                 found.add(id(tensors[name]))
     state = lm.state_dict(keep_vars=True)
     missing = [name for name, tensor in state.items() if id(tensor) not in found]
@@ -57,8 +73,8 @@ def check_weights_match(lm: nn.Module, folder: Path, files: list[Path]) -> None:
     if problems:
         raise UserInputError(
             f"model.path={folder}: its weights do not match the model's parameters ({'; '.join(problems[:5])}); "
-            "engine.zero_stage=3 loads weights stored under the model's own names (as save_pretrained writes "
-            "them); use engine.zero_stage=2 for this folder"
+            "engine.zero_stage=3 loads weights stored under the model's own names, or names transformers' "
+            "from_pretrained renames to them (as save_pretrained writes them); use engine.zero_stage=2 for this folder"
         )
 
 
@@ -100,13 +116,14 @@ def load_weights_partitioned(lm: nn.Module, folder: Path) -> None:
 
     lm.tie_weights()
     files = weight_files(folder)
-    check_weights_match(lm, folder, files)
+    model_name = model_name_of(lm)
+    check_weights_match(lm, folder, files, model_name)
     tensors = dict(lm.named_parameters(remove_duplicate=False)) | dict(lm.named_buffers())
     rank0 = torch.distributed.get_rank() == 0
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # the file's order: the same on every rank
-                target = tensors[name]
+                target = tensors[model_name(name)]
                 if not hasattr(target, "ds_id"):  # a buffer: not partitioned, every rank reads it
                     target.copy_(f.get_tensor(name))
                     continue
