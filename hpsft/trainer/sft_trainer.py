@@ -62,8 +62,6 @@ def check_vision_layout(config: SFTConfig) -> None:
     engine = config.engine
     refused = [(engine.name != "deepspeed", f"engine.name={engine.name}", "engine.name=deepspeed"),
                (engine.zero_stage == 3, "engine.zero_stage=3", "engine.zero_stage=0, 1 or 2"),
-               (engine.sequence_parallel_size > 1, f"engine.sequence_parallel_size={engine.sequence_parallel_size}",
-                "engine.sequence_parallel_size=1"),
                (engine.tensor_parallel_size > 1, f"engine.tensor_parallel_size={engine.tensor_parallel_size}",
                 "engine.tensor_parallel_size=1"),
                (config.model.lora.rank > 0, "model.lora.rank > 0", "full fine-tuning (model.lora.rank=0)")]
