@@ -335,17 +335,19 @@ def parameters_of(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_stays(image_data, tmp_path,
-                                                                                   vl_tokenizer):
+def test_training_on_image_rows_at_dp2_and_sp2_equals_one_process_and_a_frozen_tower_stays(image_data, tmp_path,
+                                                                                           vl_tokenizer):
     """`hpsft train` on the image rows with a tiny Qwen2-VL folder (2 steps of 6 sequences, 3 per
-    micro-batch, the ranks' micro-batches with and without images): 2 ranks under ZeRO-2 give each
+    micro-batch, the ranks' micro-batches with and without images): 2 ranks under ZeRO-2, as DP=2
+    and as DP=1 x SP=2 (engine.sequence_parallel_size=2: each packed row cut in two), give each
     step's loss and unclipped grad norm of one process (fp32, <= 1e-5 relative). With
     model.freeze_vision=true the exported vision tower (and its merger) is bit-identical to the
     folder's while the decoder moved, and the export's image processor (its preprocessor_config.json,
     copied from the model folder) has the folder's settings. ZeRO-3 is refused naming
     engine.zero_stage before any data is prepared. Measured: losses 10.7837284 / 10.4840388 (one
     process) vs 10.7837288 / 10.4840393, grad norms 4.86445379 / 2.93442845 vs 4.86445379 /
-    2.93442893 (rel <= 1.6e-7). Planted bugs:
+    2.93442893 (rel <= 1.6e-7); SP=2: 10.7837292 / 10.4840393, grad norms 4.86445379 / 2.93442893
+    (rel <= 1.6e-7). Planted bugs:
     - SourcedDataset.__getitem__ dropping the store items' images (as it did before this change)
       -> the one-process run failed (ValueError "sequence 0 has 24 image placeholder tokens, which
       are not the tokens of whole images 0.. of the row (tokens per image [])");
@@ -356,15 +358,18 @@ def test_training_on_image_rows_at_dp2_equals_one_process_and_a_frozen_tower_sta
     from tests.conftest import assert_ok, rel_diff, run_cli
 
     model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
-    runs = {"one": (1, {}), "zero2": (2, {}), "frozen": (1, {"model.freeze_vision": "true",
-                                                             "trainer.export_hf": "true"})}
+    runs = {"one": (1, {}), "zero2": (2, {}), "sp2": (2, {"engine.sequence_parallel_size": 2}),
+            "frozen": (1, {"model.freeze_vision": "true", "trainer.export_hf": "true"})}
     for name, (nproc, extra) in runs.items():
         assert_ok(run_cli("hpsft.train", vl_overrides(model, image_data, tmp_path / name,
                                                       **{"engine.zero_stage": 2, **extra}), nproc=nproc))
     reference = step_figures(tmp_path / "one")
     assert len(reference) == 2
-    for (loss, norm), (ref_loss, ref_norm) in zip(step_figures(tmp_path / "zero2"), reference, strict=True):
-        assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, (loss, norm, ref_loss, ref_norm)
+    for name in ("zero2", "sp2"):
+        for (loss, norm), (ref_loss, ref_norm) in zip(step_figures(tmp_path / name), reference, strict=True):
+            assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, \
+                (name, loss, norm, ref_loss, ref_norm)
+    print({name: step_figures(tmp_path / name) for name in ("one", "zero2", "sp2")})
     before, after = parameters_of(Path(model)), parameters_of(tmp_path / "frozen" / "hf")  # the export loads
     tower = [name for name in before if ".visual." in name]
     assert tower and set(before) == set(after)
