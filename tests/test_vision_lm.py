@@ -7,13 +7,17 @@ at its own size) or CLIPImageProcessorPil (all to the tower's size); placeholder
 the processors' rules (Qwen2-VL: grid_t * grid_h * grid_w / merge_size**2 image tokens per
 image; LLaVA: (side / patch)**2)."""
 
+import math
+
 import pytest
 import torch
 
 from hpsft.data.batch import collate_jagged, packed_row
+from hpsft.data.sequence_split import slice_bounds
 from hpsft.models.families import UnsupportedModel
 from hpsft.models.packed_vision_lm import PackedVisionLM, vision_modules
-from tests.conftest import TEST_MODEL
+from tests.conftest import REPO, TEST_MODEL, run_cli
+from tests.numerics import relative_error
 
 IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<image>"]
 LLAVA_IMAGE = 42  # the tiny LLaVA tower's image side (3 x 3 patches of 14)
@@ -323,3 +327,78 @@ def test_a_text_only_row_gives_the_tower_zero_gradients_and_the_text_loss(reques
     assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (norm, ref_norm)
     for name, grad in own_grads.items():  # each parameter's gradient within 1e-5 of its norm
         assert (dict(lm.named_parameters())[name].grad - grad).norm() <= 1e-5 * grad.norm(), name
+
+
+SP_SCRIPT = str(REPO / "tests" / "dist_scripts" / "sequence_parallel_steps.py")
+# The conversations in this order put the SP=2 slice boundary inside an image: Qwen2-VL's row is
+# 93 tokens (94 once padded, slices of 47), the two-image chat's second image its tokens 43-54.
+SP_ROW_ORDER = [0, 2, 1]
+
+
+def store_sequences(conversations) -> list[dict]:
+    """The conversations as the token store gives them: a sequence without images has empty ones."""
+    empty = {key: next(c[key] for c in conversations if c[key] is not None)[:0]
+             for key in ("pixel_values", "image_grid_thw") if any(c[key] is not None for c in conversations)}
+    return [{"input_ids": c["input_ids"], "loss_mask": c["loss_mask"],
+             **{key: none if c[key] is None else c[key] for key, none in empty.items()}} for c in conversations]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_sp2_image_rows_equal_one_process_and_the_models_own_forward(request, tmp_path, tokenizer, family):
+    """DP=1 x SP=2 under ZeRO-2 (2 gloo ranks, hpsft's DeepSpeed engine, the SP steps script) on one
+    packed row of three chats (one image; two images; text only) whose slice boundary cuts an image
+    in two: the step's loss, unclipped gradient norm and gradients (all, and the vision tower's and
+    projector's alone: each rank's come from its slice's features, summed over the ranks by the
+    engine) equal the model's own forward per conversation and one process's packed row (fp32,
+    <= 1e-5 relative). A second step, whose rank-1 slice has no image token, runs.
+    Measured: Qwen2-VL loss 10.82866160 vs 10.82866192 (rel 2.9e-08), grad norm 3.55411923 vs
+    3.55411918 (1.4e-08), grads 5.1e-07, tower grads 4.6e-07; LLaVA loss rel 1.2e-07, grad norm
+    5.01723568 vs 5.01723622 (1.1e-07), grads 6.8e-07.
+    Planted (Qwen2-VL), each seen failing:
+    - the slice's features not offset by its first image token: loss rel 3.5e-04, grad norm 6.9e-04;
+    - rank 1 given rank 0's M-RoPE positions: loss rel 1.3e-05, grad norm 1.6e-04;
+    - rank 1's tower gradient dropped (features.detach() + 0 * features): loss rel 2.9e-08, unseen
+      by the loss, grad norm 6.1e-02;
+    - the scatter skipped on a slice without image tokens (no tower graph there): step 2 aborted in
+      ZeRO-2's gradient all_reduce (rank 1 exit -6)."""
+    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer)
+    chats = request.getfixturevalue("llava_conversations" if family == "llava" else "conversations")
+    conversations = [chats[i] for i in SP_ROW_ORDER]
+    row = vision_row(conversations)
+    image_tokens = row["input_ids"][0] == lm.config.image_token_id
+    boundary = slice_bounds(image_tokens.numel(), 1, 2)[0]
+    assert image_tokens[boundary - 1] and image_tokens[boundary], "no image cut by the slice boundary"
+    lm.save_pretrained(tmp_path / "model")
+    # Step 2's row (the one-image chat and the text-only one) has no image token in rank 1's slice:
+    # its tower must still get a (zero) gradient there, or ZeRO's gradient reduction differs by rank.
+    text_end = vision_row(conversations[::2])["input_ids"][0]
+    assert not (text_end[slice_bounds(text_end.numel(), 1, 2)[0]:] == lm.config.image_token_id).any()
+    spec = {"sequences": store_sequences(conversations), "steps": [[[0, 1, 2]], [[0, 2]]],
+            "layouts": [{"name": "zero2 sp2", "model": str(tmp_path / "model"), "zero_stage": 2, "sp": 2}]}
+    torch.save(spec, tmp_path / "spec.pt")
+    proc = run_cli(None, [str(tmp_path / "spec.pt"), str(tmp_path / "out.pt")], nproc=2, script=SP_SCRIPT,
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    run = torch.load(tmp_path / "out.pt")["zero2 sp2"]
+    assert len(run["losses"]) == 2 and all(math.isfinite(loss) for loss in run["losses"]), run["losses"]
+    ref_loss, ref_norm = own_forward_loss(lm, conversations)
+    ref_grads = {name: p.grad.clone() for name, p in lm.named_parameters() if p.grad is not None}
+    one_loss, one_norm, _ = packed_loss(lm, row)
+    grads = run["grads"]
+    # Parameters the model's own forward leaves without a gradient (LLaVA's last tower layer) get zeros.
+    assert all(not grads[name].any() for name in set(grads) - set(ref_grads))
+    grads = {name: grads[name] for name in ref_grads}
+    norm = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
+    tower = {name for name, p in lm.named_parameters() if any(p is q for m in vision_modules(lm) for q in m.parameters())}
+    figures = {"loss vs own forward": abs(run["losses"][0] - ref_loss) / ref_loss,
+               "loss vs one process": abs(run["losses"][0] - one_loss) / one_loss,
+               "grad norm vs own forward": abs(norm - ref_norm) / ref_norm,
+               "grad norm vs one process": abs(norm - one_norm) / one_norm,
+               "grads vs own forward": relative_error(grads, ref_grads),
+               "tower grads vs own forward": relative_error({n: grads[n] for n in tower & set(grads)},
+                                                            {n: ref_grads[n] for n in tower & set(grads)})}
+    shown = f"loss {run['losses'][0]:.8f} (own {ref_loss:.8f}), grad norm {norm:.8f} (own {ref_norm:.8f}); " + \
+        "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
+    print(shown)
+    assert all(value <= 1e-5 for value in figures.values()), shown

@@ -9,7 +9,10 @@ or around a whole sequence shorter than SP. What crosses a cut is made explicit 
   last position carries the label of the token that opens the next slice;
 - every rank keeps the row's full `offsets`: attention gathers the whole row back per head
   group (models/ulysses_attention.py) and needs the exact sequence boundaries there;
-- position ids are the row's, cut like the tokens (rotary runs on each rank's slice).
+- position ids are the row's, cut like the tokens (rotary runs on each rank's slice);
+- a vision-language row's images (pixel_values, image_grid_thw) go whole to every rank: the
+  model runs its tower on all of them and keeps the features of its slice's image tokens, an
+  image cut by the slice boundary giving its features to both ranks (packed_vision_lm.py).
 
 The row is padded to a multiple of SP by extending its last sequence with unsupervised
 tokens (label IGNORE_INDEX, positions continuing that sequence's): causal attention keeps
@@ -19,7 +22,7 @@ those of the real sequences, and the padding counts as computed-but-not-real tok
 
 import torch
 
-from hpsft.data.batch import IGNORE_INDEX, longest_sequence, shifted_labels
+from hpsft.data.batch import IGNORE_INDEX, IMAGE_FIELDS, longest_sequence, shifted_labels
 
 PAD_TOKEN = 0  # any valid id: padded positions are never predicted and never predict
 
@@ -43,7 +46,7 @@ def real_tokens(length: int, sp_rank: int, sp_size: int) -> int:
 def split_row(row: dict, sp_rank: int, sp_size: int) -> dict:
     """This SP rank's slice of a packed row (packed_row's dict): input_ids and position_ids
     (1, L), labels (L,), the padded whole row's offsets and their longest sequence, and
-    `slice_start`, where the slice begins in the row."""
+    `slice_start`, where the slice begins in the row; a vision-language row's images whole."""
     input_ids, position_ids = row["input_ids"][0], row["position_ids"][0]
     labels = shifted_labels(input_ids, row["loss_mask"], row["offsets"])
     length = input_ids.numel()
@@ -62,4 +65,5 @@ def split_row(row: dict, sp_rank: int, sp_size: int) -> dict:
         "offsets": offsets,
         "max_length": longest_sequence(offsets),  # the padding lengthens the last sequence
         "slice_start": start,
+        **{name: row[name] for name in IMAGE_FIELDS if name in row},
     }

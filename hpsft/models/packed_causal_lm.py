@@ -61,8 +61,9 @@ class PackedCausalLM(nn.Module):
         tensor parallelism); call it after any check on whole rows (verify_packed_training,
         the engine's ShardingCheck), which run without the group."""
         lm = self.lm
-        check_heads(lm.config, size, tp_size)
-        inner = lm.config._attn_implementation
+        text_config = lm.config.get_text_config()  # a vision-language model's decoder's (else the model's own)
+        check_heads(text_config, size, tp_size)
+        inner = text_config._attn_implementation
         if inner not in INNER_IMPLEMENTATIONS:
             raise UnsupportedModel(
                 f"engine.sequence_parallel_size={size} needs an attention that takes a packed row's exact sequence "
@@ -74,7 +75,7 @@ class PackedCausalLM(nn.Module):
             raise UnsupportedModel(f"{type(lm).__name__}: the MoE router loss is not computed across "
                                    "sequence-parallel slices; train it with engine.sequence_parallel_size=1")
         self.sequence_parallel = SequenceParallel(group, size, rank, inner)
-        lm.set_attn_implementation(ULYSSES_IMPLEMENTATION)
+        lm.get_decoder().set_attn_implementation(ULYSSES_IMPLEMENTATION)  # a vision tower keeps its own
 
     def own_name(self, name: str) -> str:
         if hasattr(self, name):

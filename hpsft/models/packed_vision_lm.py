@@ -32,15 +32,23 @@ attention's boundaries; attention runs per sequence from cu_seqlens (varlen_atte
 vision tower keeps its own sdpa/eager, it is not causal) and the loss is PackedCausalLM's fused
 varlen cross-entropy on the assistant tokens (no logits built).
 
+Under sequence parallelism (enable_sequence_parallel, data/sequence_split.py) each rank's row is
+its slice of the packed row, with the whole row's images: every rank runs the tower on all of
+them, the whole row's tokens are gathered over the group to place them, and the M-RoPE positions
+are computed on the whole row and cut to the slice as the text positions are. The slice's image
+tokens take their features (an image cut by the slice boundary: the part of it in the slice), so
+each rank's tower gradient is that of its slice's features, summed over all ranks by the engine
+as the decoder's is (DeepSpeed's data-parallel group is the whole world: engine.py).
+
 freeze_vision=True freezes the vision tower and its projector (Qwen2-VL's `visual`, whose
 merger is the projector; LLaVA's vision_tower and multi_modal_projector): no gradient reaches
 them and they run without autograd. A row without images still runs the tower on a blank image,
 its features added times 0 (decoder_inputs), when the tower is trained or partitioned (ZeRO-3):
 every data-parallel rank then reduces the same gradients and gathers the same parameters.
-Not yet: sequence parallelism (a slice of the row would cut images apart).
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hpsft.models.families import UnsupportedModel
@@ -109,9 +117,15 @@ class PackedVisionLM(PackedCausalLM):
         for module in vision_modules(lm):
             module.requires_grad_(not freeze_vision)
 
-    def enable_sequence_parallel(self, group, size: int, rank: int, tp_size: int = 1) -> None:
-        raise UnsupportedModel(f"{type(self.lm).__name__}: sequence parallelism does not cut image rows yet; "
-                               "train it with engine.sequence_parallel_size=1")
+    def whole_row(self, input_ids) -> tuple[torch.Tensor, int]:
+        """The whole packed row's (1, T) input_ids and where this rank's input_ids begin in it:
+        under sequence parallelism gathered from the group's slices (equal, in rank order: split_row)."""
+        sp = self.sequence_parallel
+        if sp is None:
+            return input_ids, 0
+        slices = [torch.empty_like(input_ids) for _ in range(sp.size)]
+        dist.all_gather(slices, input_ids.contiguous(), group=sp.group)
+        return torch.cat(slices, dim=1), sp.rank * input_ids.shape[1]
 
     def image_features(self, pixel_values, image_grid_thw) -> list[torch.Tensor]:
         """Per image, in row order, its (image tokens, H) features from the tower and projector."""
@@ -135,13 +149,17 @@ class PackedVisionLM(PackedCausalLM):
         return torch.cat(positions, dim=2)
 
     def decoder_inputs(self, input_ids, position_ids, offsets, pixel_values=None, image_grid_thw=None) -> dict:
-        image_mask = input_ids[0] == self.lm.config.image_token_id
+        # Under sequence parallelism input_ids and position_ids are this rank's slice [start, stop)
+        # of the row: the images are placed, and the M-RoPE positions computed, on the whole row.
+        row_ids, start = self.whole_row(input_ids)
+        stop = start + input_ids.shape[1]
+        image_mask = row_ids[0] == self.lm.config.image_token_id
         if self.mrope:
             if (pixel_values is None) != (image_grid_thw is None):
                 raise ValueError("packed row: pixel_values and image_grid_thw come together (both or neither)")
             # Before the tower: it checks that each sequence's placeholders are whole images.
-            position_ids = torch.cat([position_ids[None], self.rope_positions(
-                input_ids, offsets, image_mask, image_grid_thw)], dim=0)
+            rope = self.rope_positions(row_ids, offsets, image_mask, image_grid_thw)
+            position_ids = torch.cat([position_ids[None], rope[:, :, start:stop]], dim=0)
         elif image_grid_thw is not None:
             raise ValueError(f"packed row: {type(self.lm).__name__} takes no image_grid_thw")
         per_image = self.image_features(pixel_values, image_grid_thw) if pixel_values is not None else []
@@ -156,7 +174,10 @@ class PackedVisionLM(PackedCausalLM):
                  else [])
         embeds = self.lm.get_input_embeddings()(input_ids)
         if per_image:
-            embeds = embeds.masked_scatter(image_mask[None, :, None], torch.cat(per_image).to(embeds.dtype))
+            # The slice's image tokens are the row's from the `first` on: they take those features.
+            first, local_mask = int(image_mask[:start].sum()), image_mask[start:stop]
+            features = torch.cat(per_image)[first:first + int(local_mask.sum())]
+            embeds = embeds.masked_scatter(local_mask[None, :, None], features.to(embeds.dtype))
         elif blank:
             embeds = embeds + 0 * torch.cat(blank).sum().to(embeds.dtype)  # x + 0.0 == x
         return {"inputs_embeds": embeds, "position_ids": position_ids}

@@ -5,7 +5,8 @@ optimizer step, as DeepSpeed holds them after reduction) to a torch file.
 
     torchrun --nproc_per_node N tests/dist_scripts/sequence_parallel_steps.py SPEC_PT OUT_PT
 
-SPEC_PT holds {"sequences": [{input_ids, loss_mask}], "steps": [[row, ...], ...] (a row: the
+SPEC_PT holds {"sequences": [{input_ids, loss_mask}] (a vision-language model's: also each
+sequence's pixel_values and image_grid_thw, empty without images), "steps": [[row, ...], ...] (a row: the
 sequence indices packed into it), "layouts": [{"name", "model", "zero_stage", "sp"}]}. With
 SP ranks per group there are N/SP data-parallel ranks: dp rank d trains rows d, d+N/SP, ...
 of a step (the rows are the same on every SP rank of a group, and each trains its slice:
@@ -28,6 +29,7 @@ from hpsft.data.sequence_split import split_row
 from hpsft.engine.deepspeed import DeepSpeedEngine
 from hpsft.models import PackedCausalLM, load_causal_lm
 from hpsft.models import tiled_mlp
+from hpsft.models.packed_vision_lm import PackedVisionLM, is_vision_language
 from hpsft.models.tiled_mlp import tile_mlps
 from hpsft.workers.training_worker import token_mean_loss
 
@@ -45,8 +47,8 @@ def run_layout(layout: dict, samples: list[dict], steps: list[list[list[int]]]) 
     sp = layout["sp"]
     place = distributed.Mesh.of_world(distributed.world_size(), distributed.rank(), sp_size=sp)
     engine = DeepSpeedEngine(config.engine, config.optim, total_steps=len(steps), mesh=place)
-    model = PackedCausalLM(load_causal_lm(config.model.path,
-                                          gradient_checkpointing=config.model.gradient_checkpointing))
+    lm = load_causal_lm(config.model.path, gradient_checkpointing=config.model.gradient_checkpointing)
+    model = PackedVisionLM(lm) if is_vision_language(lm) else PackedCausalLM(lm)
     engine.initialize(model)
     forwards, tile_counts = [], []
     if layout.get("tiled_mlp_tokens"):
