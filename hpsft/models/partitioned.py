@@ -32,7 +32,8 @@ def weight_files(folder: Path, reader: str = "with engine.zero_stage=3") -> list
     )
 
 
-def check_weights_match(lm: nn.Module, folder: Path, files: list[Path]) -> None:
+def check_weights_match(lm: nn.Module, folder: Path, files: list[Path], reader: str = "engine.zero_stage=3",
+                        fix: str = "use engine.zero_stage=2 for this folder") -> None:
     """Every parameter and persistent buffer of `lm` is in the files, with its shape, and nothing
     else is: checked on every rank from the files' headers, before any collective."""
     from safetensors import safe_open
@@ -57,8 +58,8 @@ def check_weights_match(lm: nn.Module, folder: Path, files: list[Path]) -> None:
     if problems:
         raise UserInputError(
             f"model.path={folder}: its weights do not match the model's parameters ({'; '.join(problems[:5])}); "
-            "engine.zero_stage=3 loads weights stored under the model's own names (as save_pretrained writes "
-            "them); use engine.zero_stage=2 for this folder"
+            f"{reader} loads weights stored under the model's own names (as save_pretrained writes "
+            f"them); {fix}"
         )
 
 
