@@ -52,7 +52,7 @@ def replace_with_stand_ins(lm: nn.Module) -> set[int]:
 
 @torch.no_grad()
 def build_qlora_model(folder: Path, attn_implementation: str, trust_remote_code: bool, model_class,
-                         lora_config, seed: int) -> nn.Module:
+                      lora_config, seed: int) -> nn.Module:
     """The model of `folder` in fp32 with `lora_config`'s adapters (add_lora, from `seed`) on a base
     whose adapted layers are quantised (qlora.quantized_linear) as their weights are read."""
     from safetensors import safe_open
@@ -94,6 +94,5 @@ def build_qlora_model(folder: Path, attn_implementation: str, trust_remote_code:
                     target.copy_(value)
     left = [name for name, param in lm.named_parameters() if id(param) in stand_ins]
     if left:  # check_weights_match found them all in the headers: a file read wrong
-
         raise RuntimeError(f"{folder}: no weights read for {left[:5]}")
     return lm
