@@ -17,6 +17,8 @@
 #      weights of its architecture) with flash_attention_2 (hpsft_varlen where flash-attn is not
 #      importable) and with sdpa: losses equal within bf16 tolerance, step times
 #   7. ray (not by default): a Ray run (python -m hpsft.train_ray) with one GPU actor
+#   8. qlora (not by default): a short QLoRA run (nf4, rank 16) of the training check's model in
+#      bf16: the loss falls; the peak GPU memory is recorded
 # Every step runs under `timeout`, capped by what is left of GPU_CHECKS_BUDGET_S (470 s); a
 # step the budget no longer allows is reported as skipped. One table, ${OUT:-gpu_results}/table.md,
 # holds every step's result (read it first); each step's log sits next to it. Exit status: 0
@@ -27,7 +29,7 @@
 #   GPU_CHECKS_PREPARE=1  on the CPU machine, before lending the GPU: download the wheels the
 #                         GPU machine cannot fetch (it has no network) into .whl/ (git-ignored
 #                         through .git/info/exclude), then exit. Carry .whl in the device call.
-#   GPU_CHECKS_ONLY="tests bench step megatron ranks"  the checks to run (the default; add train, ray).
+#   GPU_CHECKS_ONLY="tests bench step megatron ranks"  the checks to run (the default; add train, ray, qlora).
 #   GPU_CHECKS_DRY_RUN=1  on a machine without GPU: .venv/bin/python, no venv, no nvidia-smi;
 #                         the same steps on CPU at small sizes (GPU tests skipped, the
 #                         benchmark's --account figures in place of its GPU run, the step on a
@@ -51,7 +53,8 @@ if [[ "${GPU_CHECKS_PREPARE:-0}" == 1 ]]; then
     download -d .whl liger-kernel==0.8.5 tensordict==0.15.3 pyvers==0.2.3 omegaconf==2.4.0 \
         hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
         typing-inspection==0.4.5 typing-extensions==4.16.0 jsonschema==4.26.0 referencing==0.37.0 \
-        jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 megatron-core==0.19.2 &&
+        jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 megatron-core==0.19.2 \
+        peft==0.21.2 torchao==0.18.0 accelerate==1.16.0 &&
         # deepspeed ships an sdist only: a pure-Python wheel (ops JIT-build on first use).
         DS_BUILD_OPS=0 timeout 600 python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8 &&
         # ray's wheel (76 MB) alone exceeds what a device call carries (64 MiB). Its Java
@@ -332,6 +335,35 @@ else
     train_args ray sdpa
     check "Ray run, one $DEVICE actor" 150 "$RAY_LOG" "python -m hpsft.train_ray, $STEPS steps, $DTYPE" \
         "$PY" -m hpsft.train_ray "${TRAIN_ARGS[@]}" ray.n_workers_per_node=1
+fi
+
+# 8. QLoRA (not by default): a short nf4 run of the training check's model (model.lora.rank=16
+# on every linear layer, quantize_base=nf4, lr 2e-4, sdpa): train/loss must fall (the last step's
+# below the first) and the process's peak GPU memory (torch.cuda.max_memory_allocated) is recorded.
+# It needs peft, torchao and accelerate (carried wheels: GPU_CHECKS_PREPARE=1).
+QLORA_LOG="$OUT_DIR/qlora.log"
+if ! wanted qlora; then
+    :
+elif ! has peft || ! has torchao || ! has accelerate; then
+    row "QLoRA nf4 run" "skipped" 0 "peft, torchao or accelerate not importable (carry .whl: GPU_CHECKS_PREPARE=1)"
+else
+    start=$SECONDS
+    STEPS=$((STEPS * 2)) train_args qlora sdpa
+    step "QLoRA nf4 run" 150 "$QLORA_LOG" "$PY" - "$RUNS_DIR/qlora/metrics.jsonl" "${TRAIN_ARGS[@]}" \
+        model.lora.rank=16 model.lora.alpha=32 model.lora.quantize_base=nf4 optim.lr=2.0e-4 <<'EOF'
+import json, sys
+import torch
+from hpsft.commands.train import main
+status = main(sys.argv[2:])  # in this process: its peak GPU memory is the run's
+assert status == 0, f"hpsft.train exited {status}"
+losses = {r["step"]: r["train/loss"] for r in map(json.loads, open(sys.argv[1])) if "train/loss" in r}
+peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+first, last = min(losses), max(losses)
+print(f"QLoRA nf4: train/loss {losses[first]:.4f} at step {first}, {losses[last]:.4f} at step {last}; "
+      f"peak GPU memory {peak:.3f} GiB")
+assert losses[last] < losses[first], "train/loss did not fall"
+EOF
+    result "QLoRA nf4 run, $DTYPE" $? $start "$QLORA_LOG" "$(grep -o 'QLoRA nf4: .*' "$QLORA_LOG" | tail -n 1)"
 fi
 
 rm -rf "$RUNS_DIR"

@@ -119,13 +119,13 @@ def assert_pefts_first_steps(out: Path, model_path: str, train: str, **reference
 
 
 def assert_resumes_exactly(model_path: str, train: str, val: str, out: Path, resumed: Path, straight: dict,
-                           **overrides) -> None:
+                           nproc: int = 1, **overrides) -> None:
     """The run in `out` (lora_overrides with `overrides`), resumed from its step-2 checkpoint in
-    one process into `resumed`, gives the straight run's steps 3-4 on the same tokens: loss within
-    1e-6, unclipped gradient norm within 1e-5 (fp32 rounding of a different reduction order)."""
+    `nproc` processes into `resumed`, gives the straight run's steps 3-4 on the same tokens: loss
+    within 1e-6, unclipped gradient norm within 1e-5 (fp32 rounding of a different reduction order)."""
     checkpoint = out / "checkpoints" / "global_step_2"
     proc = run_cli("hpsft.train", lora_overrides(model_path, train, val, resumed, **overrides, **{
-        "trainer.resume": checkpoint, "trainer.export_hf": "false"}))
+        "trainer.resume": checkpoint, "trainer.export_hf": "false"}), nproc=nproc)
     assert_ok(proc)
     assert f"resumed from {checkpoint} at step 2" in proc.stdout
     again = {m["step"]: m for m in read_metrics(resumed)}

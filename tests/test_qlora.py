@@ -1,8 +1,8 @@
 """QLoRA (model.lora.quantize_base=nf4): the adapted layers' frozen base weights stored as
 torchao's NF4Tensor. A 2-rank run (gloo, CPU) under ZeRO-2 and under ZeRO-3 is PEFT's LoRA on the
 dequantised base in the first steps' loss and unclipped gradient norm, resumes in one process
-exactly, its merged export is that base plus the adapters, and the settings it cannot run are
-refused by name."""
+exactly (in one process and at 2 ranks), its merged export is that base plus the adapters, its
+streamed build equals the dense one bit for bit, and the settings it cannot run are refused by name."""
 
 import json
 from pathlib import Path
@@ -45,6 +45,9 @@ def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_resumes_and_ex
     universal.load_universal_without_zero), ZeRO-2: step 4's loss 10.79539 against 10.79159 (3.5e-4
     relative). Planted: the resumed process quantising another base (the weights x1.01 before
     to_nf4 in one process), ZeRO-3: step 3's loss 3.4e-5 off, its norm 0.3634 against 0.3585.
+    Resumed at 2 ranks too (nf4, ZeRO-2 and ZeRO-3: steps 3-4 equal bit for bit). Planted: the
+    optimizer state not loaded in the same-layout load (checkpoint.load_native), ZeRO-2: the 1-process
+    resume passed, the 2-rank one failed, step 4's loss 10.79104 against 10.79159 (5.0e-5).
     Before the fix (the NF4 buffers saved in the checkpoint) the resume failed in DeepSpeed's
     torch.load: "Callable map_location not supported with _rebuild_wrapper_subclass"."""
     train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
@@ -82,6 +85,8 @@ def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_resumes_and_ex
                                         double_quant=double_quant)
     # Resumed from step 2 in one process (the NF4 buffers and the adapters' moments from the checkpoint).
     assert_resumes_exactly(tiny_chat_model, train, val, out, tmp_path / "resumed", straight, **qlora)
+    # Resumed at 2 ranks, the layout it was saved in (ZeRO-3: each rank its own partition back).
+    assert_resumes_exactly(tiny_chat_model, train, val, out, tmp_path / "resumed-2", straight, nproc=2, **qlora)
 
     config = json.loads((out / "checkpoints" / "global_step_4" / "run_fingerprint.json").read_text())
     assert config["model.lora"]["quantize_base"] == quantize_base
@@ -93,32 +98,39 @@ def test_qlora_at_two_ranks_is_pefts_lora_on_the_dequantised_base_resumes_and_ex
 
 
 BF16_RTOL = 2**-8  # bf16's relative rounding (8 significant bits): one rounding of the weights and activations
+QUANTIZED_SETTINGS = [("nf4", True), ("int8", True), ("nf4", False)]
+QUANTIZED_IDS = ["nf4", "int8", "nf4-single-quant"]
 
 
 @pytest.mark.slow
-def test_bf16_qlora_keeps_the_nf4_base_and_its_first_step_is_the_fp32_references(tmp_path, tiny_chat_model, chat_rows):
+@pytest.mark.parametrize("quantize_base, double_quant", QUANTIZED_SETTINGS, ids=QUANTIZED_IDS)
+def test_bf16_qlora_keeps_the_quantised_base_and_its_first_step_is_the_fp32_references(
+        tmp_path, tiny_chat_model, chat_rows, quantize_base, double_quant):
     """engine.dtype=bfloat16, 2 ranks, ZeRO-1: DeepSpeed's bf16 cast of the module casts parameters
-    only, so the NF4 buffers stay NF4 (linear_nf4 reads them: a cast one would fail) and the
+    only, so the quantised buffers stay as they are (NF4: linear_nf4 reads them, a cast one would
+    fail; int8 codes and fp32 scales; the single-quantised NF4 codes and fp32 absmax) and the
     quantisation is the fp32 one. Step 1's loss and unclipped gradient norm equal PEFT's fp32 LoRA
-    on the NF4 round-tripped base (peft_reference_steps, quantize_base nf4) within bf16's 2^-8 relative
-    (measured loss 9.2e-8, norm 1.4e-4 apart; the loss, ln(49152) on this random model, is
-    insensitive). Planted: the base quantised in blocks of 32 (qlora.NF4_BLOCK): the norm 0.35821
-    against 0.35496, 9.1e-3 relative, failed (the loss, 2.5e-4 off, would have passed)."""
+    on the round-tripped base (peft_reference_steps) within bf16's 2^-8 relative (one rounding of
+    the weights and activations; the loss, ln(49152) on this random model, is insensitive).
+    nf4: measured loss 9.2e-8, norm 1.4e-4 apart. Planted (nf4): the base quantised in blocks of 32
+    (qlora.NF4_BLOCK): the norm 0.35821 against 0.35496, 9.1e-3 relative, failed (the loss, 2.5e-4
+    off, would have passed). int8: measured loss 2.6e-6, norm 7.4e-4; nf4-single-quant: 7.5e-6, 7.4e-4.
+    Planted (int8): each row's scale taken from the next (torch.roll in Int8Linear): the norm 0.35037
+    against 0.35847, 2.3e-2 relative, failed."""
     train = write_parquet([{"messages": c} for c in chat_rows[:4]], tmp_path / "train.parquet")
     val = write_parquet([{"messages": c} for c in chat_rows[16:20]], tmp_path / "val.parquet")
     out = tmp_path / "run"
     assert_ok(run_cli("hpsft.train", lora_overrides(tiny_chat_model, train, val, out, **{
-        "model.lora.quantize_base": "nf4", "engine.zero_stage": 1, "engine.dtype": "bfloat16",
+        "model.lora.quantize_base": quantize_base, "model.lora.double_quant": str(double_quant).lower(),
+        "engine.zero_stage": 1, "engine.dtype": "bfloat16",
         "trainer.total_steps": 1, "trainer.save_every": 0, "trainer.export_hf": "false"}), nproc=2))
     ours = {m["step"]: m for m in read_metrics(out)}
-    reference = {1: peft_reference_steps(tiny_chat_model, train, 1, quantize_base="nf4")[0]}
-    print("\nstep 1, bf16 vs fp32 PEFT:", ours[1]["train/loss"], reference[1]["train/loss"],
-          ours[1]["train/grad_norm"], reference[1]["train/grad_norm"])
+    reference = {1: peft_reference_steps(tiny_chat_model, train, 1, quantize_base=quantize_base,
+                                         double_quant=double_quant)[0]}
+    print(f"\nstep 1, bf16 vs fp32 PEFT ({quantize_base}, double_quant={double_quant}): loss",
+          ours[1]["train/loss"], reference[1]["train/loss"], "norm", ours[1]["train/grad_norm"],
+          reference[1]["train/grad_norm"])
     assert_same_steps(ours, reference, (1,), loss_rtol=BF16_RTOL, grad_norm_rtol=BF16_RTOL)
-
-
-QUANTIZED_SETTINGS = [("nf4", True), ("int8", True), ("nf4", False)]
-QUANTIZED_IDS = ["nf4", "int8", "nf4-single-quant"]
 
 
 def qlora_model(folder, trained: bool = True, quantize_base: str = "nf4", double_quant: bool = True):
@@ -270,3 +282,62 @@ def test_a_quantised_layer_computes_torchaos_round_trip_and_stores_the_bytes_it_
             bound = 2 * (scalers - scalers.mean()).abs().max() / 256
             print(f"{rows}x{cols}: nf4 double vs single quantised {(dense - other).abs().max():.2e}, bound {bound:.2e}")
             assert not torch.equal(dense, other) and (dense - other).abs().max() <= bound * (1 + 1e-5)
+
+
+def write_tiny_qwen2(folder: Path) -> Path:
+    """A 2-layer Qwen2 (biases on q, k and v; tied embeddings) stored in bf16, seed 0."""
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def every_tensor(lm) -> dict:
+    """Name -> tensor of every parameter and buffer of `lm` (persistent or not), tied ones under
+    each name, an NF4Tensor as its inner tensors."""
+    tensors = {}
+    for name, tensor in [*lm.named_parameters(remove_duplicate=False), *lm.named_buffers(remove_duplicate=False)]:
+        if hasattr(tensor, "__tensor_flatten__"):
+            inner, _ = tensor.__tensor_flatten__()
+            tensors |= {f"{name}:{part}": getattr(tensor, part) for part in inner}
+        else:
+            tensors[name] = tensor
+    return tensors
+
+
+@pytest.mark.parametrize("model", ["llama-fp32", "qwen2-bf16-tied-bias"])
+@pytest.mark.parametrize("quantize_base, double_quant", QUANTIZED_SETTINGS, ids=QUANTIZED_IDS)
+def test_the_streamed_qlora_build_is_the_dense_build_bit_for_bit(tmp_path, model, quantize_base, double_quant):
+    """load_qlora_causal_lm (the model built without its parameters, each adapted weight quantised
+    as it is read from the folder) against the dense build (the fp32 model loaded whole, add_lora,
+    quantize_base_layers): the same names, and every parameter and buffer, the quantised codes and
+    scales (an NF4Tensor's inner tensors) and the adapters included, equal in dtype and bit for
+    bit; tied embeddings stay tied and requires_grad is the adapters'. On write_tiny_llama's fp32
+    model and on a Qwen2 stored in bf16 (cast to fp32 before the quantisation, as from_pretrained's
+    dtype=float32) with biases on adapted layers. Planted: the adapted layer's bias not carried into
+    its quantised layer (linear.bias = None): failed on the Qwen2 (6 names missing, the q, k, v
+    biases of both layers), passed on the Llama (no bias)."""
+    from hpsft.config.schema import LoraConfig
+    from hpsft.models.loading import load_causal_lm, load_qlora_causal_lm
+    from hpsft.models.lora import add_lora
+    from hpsft.models.qlora import quantize_base_layers
+
+    folder = (write_tiny_llama if model == "llama-fp32" else write_tiny_qwen2)(tmp_path / model)
+    config = LoraConfig(rank=RANK, alpha=ALPHA, quantize_base=quantize_base, double_quant=double_quant)
+    dense = add_lora(load_causal_lm(str(folder)), config, SEED)
+    assert quantize_base_layers(dense, config) == 2 * 7
+    streamed = load_qlora_causal_lm(str(folder), config, SEED)
+    ours, theirs = every_tensor(streamed), every_tensor(dense)
+    assert ours.keys() == theirs.keys(), ours.keys() ^ theirs.keys()
+    differ = [name for name in theirs if ours[name].dtype != theirs[name].dtype
+              or ours[name].shape != theirs[name].shape or not torch.equal(ours[name], theirs[name])]
+    assert differ == [], differ[:5]
+    assert ({n for n, p in streamed.named_parameters() if p.requires_grad}
+            == {n for n, p in dense.named_parameters() if p.requires_grad})
+    tied = dense.lm_head.weight is dense.model.embed_tokens.weight
+    assert (streamed.lm_head.weight is streamed.model.embed_tokens.weight) == tied == (model != "llama-fp32")
+    assert streamed.config.use_cache is False

@@ -141,6 +141,24 @@ def load_causal_lm(path: str, attn_implementation: str = "auto", gradient_checkp
         from hpsft.models.partitioned import load_weights_partitioned
 
         load_weights_partitioned(model, folder)
+    return prepared_for_training(model, attn_implementation, gradient_checkpointing)
+
+
+def load_qlora_causal_lm(path: str, lora_config, seed: int, attn_implementation: str = "auto",
+                         gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model in fp32 with `model.lora`'s adapters (from `seed`) on its quantised base
+    (`model.lora.quantize_base`), built without the whole fp32 model (see qlora_build.py)."""
+    from hpsft.models.qlora_build import build_qlora_model
+
+    attn_implementation = resolve_attn_implementation(attn_implementation)
+    folder = check_model_path(path, trust_remote_code)
+    model = build_qlora_model(folder, attn_implementation, trust_remote_code,
+                              auto_model_class(folder, trust_remote_code), lora_config, seed)
+    return prepared_for_training(model, attn_implementation, gradient_checkpointing)
+
+
+def prepared_for_training(model: torch.nn.Module, attn_implementation: str, gradient_checkpointing: bool
+                          ) -> torch.nn.Module:
     if getattr(model.config, "vision_config", None) is not None:
         # The tower attends within each image (not causal): its own sdpa, the decoder the varlen kernel.
         model.set_attn_implementation({"text_config": attn_implementation, "vision_config": "sdpa"})

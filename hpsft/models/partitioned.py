@@ -47,7 +47,8 @@ def model_name_of(lm: nn.Module) -> Callable[[str], str]:
     return lambda name: rename_source_key(name, renamings, [], lm.base_model_prefix, names)[0]
 
 
-def check_weights_match(lm: nn.Module, folder: Path, files: list[Path], model_name: Callable[[str], str]) -> None:
+def check_weights_match(lm: nn.Module, folder: Path, files: list[Path], model_name: Callable[[str], str],
+                        reader: str = "engine.zero_stage=3", fix: str = "use engine.zero_stage=2 for this folder") -> None:
     """Every parameter and persistent buffer of `lm` is in the files (under model_name), with its
     shape, and nothing else is: checked on every rank from the files' headers, before any collective."""
     from safetensors import safe_open
@@ -73,8 +74,8 @@ def check_weights_match(lm: nn.Module, folder: Path, files: list[Path], model_na
     if problems:
         raise UserInputError(
             f"model.path={folder}: its weights do not match the model's parameters ({'; '.join(problems[:5])}); "
-            "engine.zero_stage=3 loads weights stored under the model's own names, or names transformers' "
-            "from_pretrained renames to them (as save_pretrained writes them); use engine.zero_stage=2 for this folder"
+            f"{reader} loads weights stored under the model's own names, or names transformers' "
+            f"from_pretrained renames to them (as save_pretrained writes them); {fix}"
         )
 
 

@@ -30,9 +30,9 @@ from hpsft.engine import TrainEngine, build_engine
 from hpsft.models import (PackedCausalLM, check_supported, load_causal_lm, verify_packed_training, weight_names,
                           write_hf_folder)
 from hpsft.models.hf_export import DEFAULT_MAX_SHARD_MB
+from hpsft.models.loading import load_qlora_causal_lm
 from hpsft.models.lora import (add_lora, adapter_names, describe, gather_dora_base_weights, merged_weights,
                                write_adapter_folder)
-from hpsft.models.qlora import quantize_base_layers
 from hpsft.models.packed_vision_lm import PackedVisionLM, check_vision_supported, is_vision_language
 from hpsft.models.partitioned import is_partitioned
 from hpsft.models.tensor_parallel import check_tensor_parallel
@@ -73,14 +73,19 @@ class TrainingWorker(Worker):
 
     def init_model(self) -> None:
         cfg = self.model_config
-        # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of it.
-        # Except QLoRA's and DoRA's: the quantisation and DoRA's magnitudes (the rows' norms) need each
-        # adapted layer's whole weight, so it is built whole and deepspeed.initialize partitions it
-        # (QLoRA: the parameters left, embeddings, head, norms, adapters; its NF4 weights, buffers,
-        # stay whole on each rank).
-        model_init = None if cfg.lora.quantize_base != "none" or cfg.lora.use_dora else self.engine.model_init
-        lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing, cfg.trust_remote_code,
-                            model_init=model_init)
+        qlora = cfg.lora.quantize_base != "none"
+        if qlora:
+            # Built with its adapters, each adapted weight quantised as it is read: never the whole
+            # fp32 model. Under ZeRO-3 deepspeed.initialize partitions the parameters left
+            # (embeddings, head, norms, adapters); the quantised weights, buffers, stay whole on each rank.
+            lm = load_qlora_causal_lm(cfg.path, cfg.lora, self.seed, cfg.attn_implementation,
+                                      cfg.gradient_checkpointing, cfg.trust_remote_code)
+        else:
+            # An engine that partitions the model (ZeRO-3) has it built so: no rank ever holds all of
+            # it. Except DoRA's: its magnitudes (the rows' norms) need each adapted layer's whole weight,
+            # so it is built whole and deepspeed.initialize partitions it.
+            lm = load_causal_lm(cfg.path, cfg.attn_implementation, cfg.gradient_checkpointing,
+                                cfg.trust_remote_code, model_init=None if cfg.lora.use_dora else self.engine.model_init)
         vision = is_vision_language(lm)
         text_config = lm.config.get_text_config()  # a vision-language model's decoder's (else the model's own)
         if vision:
@@ -107,14 +112,14 @@ class TrainingWorker(Worker):
         if not verify_in_engine and not vision:  # a vision model's packed path: tests/test_vision_lm.py
             verify_packed_training(lm)
         if cfg.lora.rank:
-            # After the packed-path check of the base model: the adapters start at B = 0, so the
-            # model computes the same; under ZeRO-3 the base stays partitioned and DeepSpeed
-            # partitions the new adapter parameters (broadcast from rank 0) when it wraps the model.
-            add_lora(lm, cfg.lora, self.seed)
+            # After the packed-path check of the base model (QLoRA's: of the model with its adapters):
+            # the adapters start at B = 0, so the model computes the same; under ZeRO-3 the base stays
+            # partitioned and DeepSpeed partitions the new adapter parameters (broadcast from rank 0)
+            # when it wraps the model.
+            if not qlora:
+                add_lora(lm, cfg.lora, self.seed)
             if cfg.lora.use_dora and self.engine_config.zero_stage == 3:
                 gather_dora_base_weights(lm)
-            if cfg.lora.quantize_base != "none":  # QLoRA: the adapted layers' frozen weights stored 4- or 8-bit
-                quantize_base_layers(lm, cfg.lora)
             if distributed.rank() == 0:
                 print(f"hpsft: {describe(lm)}", flush=True)
         self.body_params, self.head_params = flop_counts(lm)  # frozen weights count less (no weight gradient)
