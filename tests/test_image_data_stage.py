@@ -420,14 +420,16 @@ def test_training_on_image_rows_at_dp2_and_sp2_equal_one_process_exports_and_a_f
 
     exported = AutoImageProcessor.from_pretrained(tmp_path / "frozen" / "hf").to_dict()
     assert exported == AutoImageProcessor.from_pretrained(model).to_dict(), exported
-    # `hpsft export` of the DP=2 run's last checkpoint (ZeRO-2 shards) is its end-of-run export, every tensor.
-    assert_ok(run_cli("hpsft.export", [str(tmp_path / "zero2"), str(tmp_path / "exported")]))
-    end_of_run, exported = folder_weights(tmp_path / "zero2" / "hf"), folder_weights(tmp_path / "exported")
-    assert exported.keys() == end_of_run.keys() and any(".visual." in name for name in exported)
-    assert all(torch_equal(exported[name], end_of_run[name]) for name in end_of_run)
-    assert set(parameters_of(tmp_path / "exported")) == set(before)  # transformers loads it
+    # `hpsft export` of a DP=2 run's last checkpoint (ZeRO-2 shards) is its end-of-run export, every
+    # tensor; the frozen run's checkpoint leaves the tower out, the export reads it from the folder.
+    for run in ("zero2", "frozen"):
+        assert_ok(run_cli("hpsft.export", [str(tmp_path / run), str(tmp_path / f"{run}_exported")]))
+        end_of_run, exported = folder_weights(tmp_path / run / "hf"), folder_weights(tmp_path / f"{run}_exported")
+        assert exported.keys() == end_of_run.keys() and any(".visual." in name for name in exported), run
+        assert all(torch_equal(exported[name], end_of_run[name]) for name in end_of_run), run
+    assert set(parameters_of(tmp_path / "zero2_exported")) == set(before)  # transformers loads it
     for name in ("preprocessor_config.json", "tokenizer_config.json"):
-        assert (tmp_path / "exported" / name).read_bytes() == (tmp_path / "zero2" / "hf" / name).read_bytes(), name
+        assert (tmp_path / "zero2_exported" / name).read_bytes() == (tmp_path / "zero2" / "hf" / name).read_bytes(), name
     refused = run_cli("hpsft.train", vl_overrides(model, data, tmp_path / "lora", **{"model.lora.rank": 8}),
                       timeout=300)
     assert refused.returncode != 0 and "does not train with model.lora.rank > 0 yet" in refused.stderr, \

@@ -50,23 +50,55 @@ def checkpoint_tensors(checkpoint: Path, expected: set[str], scratch: Path) -> d
     return lazy
 
 
-def checkpoint_weights(checkpoint: Path, lm, scratch: Path):
+def checkpoint_weights(checkpoint: Path, lm, scratch: Path, frozen_from=None):
     """(name, fp32 tensor) of what the Hugging Face folder stores, each reassembled from the
-    ZeRO shards when asked; the checkpoint must hold exactly `lm`'s state dict."""
-    lazy = checkpoint_tensors(checkpoint, set(lm.state_dict()), scratch)  # tied weights under each name, as saved
+    ZeRO shards when asked; the checkpoint must hold exactly `lm`'s state dict, less the frozen
+    parameters `frozen_from` (name -> a reader of the model folder's tensor) gives."""
+    frozen_from = frozen_from or {}
+    # tied weights under each name, as saved
+    lazy = checkpoint_tensors(checkpoint, set(lm.state_dict()) - set(frozen_from), scratch)
     for name in weight_names(lm):
-        yield name, lazy[name].contiguous()
+        yield name, (lazy[name] if name in lazy else frozen_from[name]()).contiguous()
 
 
-def check_trained_base(folder: Path, recorded: dict) -> None:
-    """A LoRA checkpoint's base weights come from the model folder: it must be the one trained on."""
+def frozen_vision_readers(lm, folder: Path) -> dict:
+    """A model.freeze_vision=true run's vision tower and projector, which its checkpoints leave out
+    (frozen parameters are the model folder's): for each of their parameter names, a function
+    reading its fp32 tensor from the folder, whose saved names are renamed as from_pretrained
+    renames them (partitioned.model_name_of: e.g. a LLaVA folder's `vision_tower.*`)."""
+    from safetensors import safe_open
+
+    from hpsft.models.packed_vision_lm import VISION_MODULES
+    from hpsft.models.partitioned import model_name_of, weight_files
+
+    prefixes = tuple(f"{path}." for path in VISION_MODULES[type(lm).__name__])
+    names = {name for name, _ in lm.named_parameters(remove_duplicate=False) if name.startswith(prefixes)}
+    model_name, where = model_name_of(lm), {}
+    for file in weight_files(folder, "for the frozen vision tower of a model.freeze_vision=true checkpoint"):
+        with safe_open(file, framework="pt") as f:
+            where.update({model_name(saved): (file, saved) for saved in f.keys() if model_name(saved) in names})
+    if names - set(where):
+        raise UserInputError(f"model folder {folder} lacks the frozen vision weights {sorted(names - set(where))[:5]} "
+                             "that the checkpoint leaves out: give the model trained on with --model PATH")
+
+    def reader(file: Path, saved: str):
+        def read():
+            with safe_open(file, framework="pt") as f:
+                return f.get_tensor(saved).float()
+        return read
+
+    return {name: reader(*where[name]) for name in names}
+
+
+def check_trained_base(folder: Path, recorded: dict, what: str = "the LoRA adapters") -> None:
+    """A LoRA checkpoint's base weights (a frozen tower's) come from the model folder: it must be the one trained on."""
     from hpsft.trainer.fingerprint import differences, model_fingerprint
 
     keys = ("model.config.json sha256", "model weight files")
     changed = differences({k: recorded.get(k) for k in keys}, {k: model_fingerprint(str(folder))[k] for k in keys})
     if changed:
         raise UserInputError(
-            f"model folder {folder} is not the base model the LoRA adapters were trained on ({'; '.join(changed)}): "
+            f"model folder {folder} is not the base model {what} were trained on ({'; '.join(changed)}): "
             "give that model with --model PATH"
         )
 
@@ -149,8 +181,12 @@ def export(checkpoint_path: str, out_dir: str, model_path: str | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.scratch.", dir=out.parent) as scratch:
         if lora_settings is None:
+            frozen_from = None
+            if recorded.get("model.freeze_vision"):
+                check_trained_base(folder, recorded, "the frozen vision tower's checkpoint")
+                frozen_from = frozen_vision_readers(lm, folder)
             # A bar on a terminal: reassembling a large model from its shards takes minutes.
-            weights = progress_bar(True, iterable=checkpoint_weights(checkpoint, lm, Path(scratch)),
+            weights = progress_bar(True, iterable=checkpoint_weights(checkpoint, lm, Path(scratch), frozen_from),
                                    total=len(weight_names(lm)), desc="export", unit="tensor")
         else:
             if not adapter_only:

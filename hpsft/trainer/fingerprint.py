@@ -120,6 +120,9 @@ def run_fingerprint(config, tokenizer) -> dict:
         "loss.z_loss_weight": loss.z_loss_weight,
         "loss.label_smoothing": loss.label_smoothing,
         **({"model.lora": lora_fingerprint(config.model.lora)} if config.model.lora.rank else {}),
+        # Its checkpoints leave the tower out (frozen): the export reads it from the folder. Absent
+        # when false, so checkpoints written before the key existed still match.
+        **({"model.freeze_vision": True} if config.model.freeze_vision else {}),
         "engine.tensor_parallel_size": config.engine.tensor_parallel_size,
     }
 
