@@ -331,8 +331,9 @@ def vl_overrides(model, train, run_dir, **extra) -> list[str]:
 
 # image_rows(18) positions in the order trained (vl_overrides: unshuffled, steps of 4): step 1 one
 # two-image row and three text rows, step 2 the one-image camera row and three text rows, step 3
-# text only. split_by_cost (the ranks' token balance) then gives one rank of steps 1 and 2 only text
-# rows, and both ranks of step 3 (checked in the test, from the store's lengths).
+# text only. The sampler's split (tokens plus the tower's cost, which on the tiny model outweighs
+# the decoder's: an image row is a part alone) then gives rank 1 of steps 1 and 2 only text rows,
+# and both ranks of step 3 (checked in the test).
 MIXED_LAYOUT = [0, 2, 5, 8, 17, 14, 11, 8, 2, 5, 11, 14]
 
 
@@ -340,15 +341,22 @@ def mixed_layout_data(image_data: Path) -> Path:
     return Path(write_jsonl([image_rows(18)[i] for i in MIXED_LAYOUT], image_data.with_name("mixed.jsonl")))
 
 
-def ranks_with_images(data: Path, cache: Path, tokenizer) -> list[list[bool]]:
-    """Per step of vl_overrides' layout, per rank of 2: whether that rank's share has an image."""
-    from hpsft.data.balance import split_by_cost
+def ranks_with_images(data: Path, cache: Path, tokenizer, model: str) -> list[list[bool]]:
+    """Per step of vl_overrides' layout, per rank of 2: whether that rank's share has an image, the
+    shares split as the trainer's sampler splits them (tokens plus the model's tower cost)."""
+    from transformers import AutoConfig
+
+    from hpsft.data.balance import sequence_costs, split_by_cost
+    from hpsft.models.vision_cost import VisionTowerCost
 
     store = prepared_store(str(data), tokenizer, options(max_length=256), cache, LocalRunner(1),
                            processor=image_processor())
+    tower = VisionTowerCost(AutoConfig.from_pretrained(model))
     steps = [list(range(first, first + 4)) for first in range(0, len(store), 4)]
-    return [[any(store[step[i]]["pixel_values"].shape[0] > 0 for i in part)
-             for part in split_by_cost([len(store[i]["input_ids"]) for i in step], 2)] for step in steps]
+    costs = [sequence_costs([len(store[i]["input_ids"]) for i in step], None,
+                            [tower.sequence_cost(store[i]["image_grid_thw"].numpy()) for i in step]) for step in steps]
+    return [[any(store[step[i]]["pixel_values"].shape[0] > 0 for i in part) for part in split_by_cost(cost, 2)]
+            for step, cost in zip(steps, costs)]
 
 
 def step_figures(run_dir) -> list[tuple[float, float]]:
@@ -368,8 +376,8 @@ def parameters_of(folder: Path) -> dict:
 def test_training_on_image_rows_at_dp2_and_sp2_equal_one_process_exports_and_a_frozen_tower_stays(
         image_data, tmp_path, vl_tokenizer):
     """`hpsft train` on image rows with a tiny Qwen2-VL folder, 3 steps of 4 sequences laid out so
-    that at DP=2 one rank's micro-batch has images and the other's none (steps 1 and 2: each rank
-    once) and then neither has (step 3): 2 ranks under ZeRO-2 and under ZeRO-3 (the folder's saved
+    that at DP=2 rank 0's micro-batch has images and rank 1's none (steps 1 and 2) and then
+    neither has (step 3): 2 ranks under ZeRO-2 and under ZeRO-3 (the folder's saved
     names mapped by transformers' renamings) give each step's loss and unclipped grad norm of one
     process (fp32, <= 1e-5 relative), and so do 2 ranks as DP=1 x SP=2 under ZeRO-2
     (engine.sequence_parallel_size=2: each packed row cut in two). With model.freeze_vision=true, also at DP=2,
@@ -393,9 +401,9 @@ def test_training_on_image_rows_at_dp2_and_sp2_equal_one_process_exports_and_a_f
     from tests.conftest import assert_ok, rel_diff, run_cli
 
     data = mixed_layout_data(image_data)
-    assert ranks_with_images(data, tmp_path / "layout", vl_tokenizer) == [[True, False], [False, True],
-                                                                          [False, False]]
     model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
+    assert ranks_with_images(data, tmp_path / "layout", vl_tokenizer, model) == [[True, False], [True, False],
+                                                                                 [False, False]]
     runs = {"one": (1, {}), "zero2": (2, {"trainer.export_hf": "true"}), "zero3": (2, {"engine.zero_stage": 3}),
             "sp2": (2, {"engine.sequence_parallel_size": 2}),
             "frozen": (2, {"model.freeze_vision": "true", "trainer.export_hf": "true"})}
@@ -439,12 +447,13 @@ def test_training_on_image_rows_at_dp2_and_sp2_equal_one_process_exports_and_a_f
 
 @pytest.mark.slow
 def test_llava_and_qwen2_5_vl_train_through_the_cli_as_their_own_forward_computes(image_data, tmp_path, vl_tokenizer):
-    """`hpsft train` (one process, no shuffle: step k trains store sequences 6(k-1)..6k-1, 3 per
-    micro-batch) on a tiny LLaVA folder (CLIP tower, Llama decoder, CLIP's image processor, the
+    """`hpsft train` (one process, no shuffle, 2 steps: step k trains store sequences 4(k-1)..4k-1,
+    2 per micro-batch) on a tiny LLaVA folder (CLIP tower, Llama decoder, CLIP's image processor, the
     "full" strategy) and a tiny Qwen2.5-VL folder (windowed tower attention): each step's loss
     and unclipped grad norm == the model's own Hugging Face forward on those sequences alone
     (test_vision_lm.own_forward_loss), run on the folder's weights for step 1 and on
-    `hpsft export` of the step-1 checkpoint for step 2 (fp32, <= 1e-5 relative)."""
+    `hpsft export` of the step-1 checkpoint for step 2 (fp32, <= 1e-5 relative); 2 ranks under
+    ZeRO-3 give the one process's figures (<= 1e-5)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -453,7 +462,7 @@ def test_llava_and_qwen2_5_vl_train_through_the_cli_as_their_own_forward_compute
 
     def check(family: str, step: int, weights, store, figures: tuple[float, float]) -> None:
         lm = AutoModelForImageTextToText.from_pretrained(weights, dtype=torch.float32)
-        sequences = [own_forward_input(store[i]) for i in range(6 * (step - 1), 6 * step)]
+        sequences = [own_forward_input(store[i]) for i in range(4 * (step - 1), 4 * step)]
         (loss, norm), (ref_loss, ref_norm) = figures, own_forward_loss(lm, sequences)
         print(f"{family} step {step}: loss {loss:.8f} vs own {ref_loss:.8f}, grad norm {norm:.8f} vs own {ref_norm:.8f}")
         assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, (family, step, loss, ref_loss,
@@ -463,7 +472,7 @@ def test_llava_and_qwen2_5_vl_train_through_the_cli_as_their_own_forward_compute
         model = tiny_vl_folder(tmp_path / family / "model", vl_tokenizer, family)
         run, step_1 = tmp_path / family / "run", tmp_path / family / "step_1"
         assert_ok(run_cli("hpsft.train", vl_overrides(model, image_data, run, **{
-            "trainer.save_every": 1, "data.shuffle": "false"})))
+            "trainer.save_every": 1, "trainer.total_steps": 2})))
         store = prepared_store(str(image_data), vl_tokenizer, options(max_length=256), tmp_path / family / "store",
                                LocalRunner(1), processor=family_processor(family, vl_tokenizer))
         figures = step_figures(run)
@@ -471,6 +480,14 @@ def test_llava_and_qwen2_5_vl_train_through_the_cli_as_their_own_forward_compute
         check(family, 1, model, store, figures[0])
         assert_ok(run_cli("hpsft.export", [str(run / "checkpoints" / "global_step_1"), str(step_1)]))
         check(family, 2, step_1, store, figures[1])
+        # DP=2 ZeRO-3 (the folder's saved names mapped by transformers' renamings) == one process.
+        zero3 = tmp_path / family / "zero3"
+        assert_ok(run_cli("hpsft.train", vl_overrides(model, image_data, zero3, **{
+            "engine.zero_stage": 3, "trainer.total_steps": 2}), nproc=2, timeout=300))
+        for (loss, norm), (ref_loss, ref_norm) in zip(step_figures(zero3), figures, strict=True):
+            print(f"{family} DP=2 ZeRO-3: loss {loss:.8f} vs {ref_loss:.8f}, grad norm {norm:.8f} vs {ref_norm:.8f}")
+            assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, (family, loss, ref_loss,
+                                                                                           norm, ref_norm)
 
 
 def torch_equal(a, b) -> bool:
