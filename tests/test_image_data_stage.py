@@ -496,35 +496,53 @@ def torch_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def test_inspect_data_shows_where_each_images_tokens_go(image_data, tmp_path, vl_tokenizer, capsys):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inspect_data_shows_where_each_images_tokens_go(image_data, tmp_path, vl_tokenizer, capsys, family):
     """hpsft inspect-data with a vision-language model folder: for each shown sequence, each image's
-    grid (the processor's own, on that photograph) and its run of image tokens, at the positions
-    the data stage's store holds them (the store's input_ids, searched independently); the pads
-    written once with their count. Planted bug: image_token_lines printing each run from the token
-    after its start (begin + 1) -> the line "image 1: grid 1x6x8 patches -> tokens 25-36" of row
-    0 was not in the output (26-36 printed)."""
+    size (Qwen2-VL: the processor's own grid on that photograph; LLaVA: the tower's pixels) and its
+    run of image tokens (as many as transformers' own processing gives: own_processing), at the
+    positions the data stage's store holds them (the store's input_ids, searched independently);
+    the image tokens written once with their count. Planted bugs: image_token_lines printing each
+    run from the token after its start (begin + 1) -> the line "image 1: grid 1x6x8 patches ->
+    tokens 25-36" of row 0 was not in the output (26-36 printed); LlavaImages.image_notes giving
+    each image one token fewer -> the LLaVA case failed (no line "image 1: 42x42 pixels -> tokens
+    24-33 (10 image tokens")."""
     from hpsft.commands.inspect_data import main
 
-    model = tiny_vl_folder(tmp_path / "model", vl_tokenizer)
-    processor = image_processor()
+    model = tiny_vl_folder(tmp_path / "model", vl_tokenizer, family)
     store = prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "cache", LocalRunner(1),
-                           processor=processor)
+                           processor=family_processor(family, vl_tokenizer))
     assert main([f"model.path={model}", f"data.train_files=[{image_data}]", "data.max_length=1024",
                  "--rows", "2", "--color", "never", "--stats-rows", "2"]) == 0
     out = capsys.readouterr().out
-    pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    mark = IMAGE_PAD if family == "qwen2_vl" else IMAGE_MARK
+    pad = vl_tokenizer.convert_tokens_to_ids(mark)
     for row, names in ((0, ["astronaut.jpg", "coffee.png"]), (1, ["chelsea.jpg"])):
         ids = store[row]["input_ids"].tolist()
         starts = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
         for k, (name, start) in enumerate(zip(names, starts, strict=True)):
-            grid = processor(images=Image.open(image_data.parent / "imgs" / name).convert("RGB"),
-                             return_tensors="np")["image_grid_thw"][0]
-            n = int(grid.prod()) // 4
-            assert ids[start:start + n] == [pad] * n
-            line = (f"  image {k + 1}: grid {grid[0]}x{grid[1]}x{grid[2]} patches -> tokens {start}-{start + n - 1} "
-                    f"({n} image tokens")
+            pixels, grids, n = own_processing(family, vl_tokenizer, [image_data.parent / "imgs" / name])
+            size = f"grid {grids[0][0]}x{grids[0][1]}x{grids[0][2]} patches" if family == "qwen2_vl" else \
+                f"{pixels.shape[2]}x{pixels.shape[3]} pixels"
+            assert ids[start:start + n] == [pad] * n and ids[start + n] != pad
+            line = f"  image {k + 1}: {size} -> tokens {start}-{start + n - 1} ({n} image tokens"
             assert line in out, (line, out[-3000:])
-        assert f"{IMAGE_PAD}x{int(store[row]['image_grid_thw'][0].prod()) // 4}" in out
+            if k == 0:
+                assert f"{mark}x{n}" in out
+
+
+def test_touching_placeholders_are_told_apart_by_their_counts():
+    """Two LLaVA images written `<image><image>` make one run of image tokens: each image takes
+    its own count of it; a run short of an image's count is reported, not printed as tokens."""
+    from hpsft.data.inspection import image_token_lines
+
+    ids = [1, 2] + [9] * 20 + [3]
+    images = [("42x42 pixels", 10, "3x3 patches of 14 + CLS")] * 2
+    assert image_token_lines(ids, 9, images) == [
+        "  image 1: 42x42 pixels -> tokens 2-11 (10 image tokens = 3x3 patches of 14 + CLS)",
+        "  image 2: 42x42 pixels -> tokens 12-21 (10 image tokens = 3x3 patches of 14 + CLS)"]
+    assert "not one run" in image_token_lines(ids[:15] + [3] + ids[15:], 9, images)[-1]
+    assert "20 image tokens, 10 of them the images'" in image_token_lines(ids, 9, images[:1])[-1]
 
 
 def own_next_token_logits(folder: Path, tokenizer, photo: Path, prompt: str):

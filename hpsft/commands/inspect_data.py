@@ -20,7 +20,7 @@ from collections import Counter
 from hpsft.commands import command_parser
 from hpsft.config import load_config
 from hpsft.data.chat_messages import BadRow
-from hpsft.data.image_rows import Qwen2VLImages, image_layout
+from hpsft.data.image_rows import image_layout
 from hpsft.data.image_sequences import image_rows_sequences
 from hpsft.data.inspection import (COLOR_MARKS, PLAIN_MARKS, compressed_image_pads, image_token_lines, input_files,
                                    length_report, marked_text)
@@ -84,10 +84,9 @@ def main(argv=None) -> int:
                     if layout is not None:
                         text = compressed_image_pads(text, layout.image_token)
                     print(text)
-                    # Where each image's tokens go: Qwen2-VL's (its grids); LLaVA's not shown yet.
-                    if isinstance(layout, Qwen2VLImages) and len(patches[i][1]):
-                        print("\n".join(image_token_lines(ids, patches[i][1], tokenizer.convert_tokens_to_ids(
-                            layout.image_token), layout.processor.merge_size)))
+                    if layout is not None and len(patches[i][0]):  # where each image's tokens go
+                        print("\n".join(image_token_lines(ids, tokenizer.convert_tokens_to_ids(layout.image_token),
+                                                           layout.image_notes(*patches[i]))))
     print("\n".join(length_report(lengths, rows, refused, counts, opts)))
     return 0
 

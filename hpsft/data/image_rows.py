@@ -123,6 +123,12 @@ class Qwen2VLImages:
     def placeholder(self, count: int) -> str:
         return VISION_START + IMAGE_PAD * count + VISION_END
 
+    def image_notes(self, pixels: np.ndarray, grids: np.ndarray) -> list[tuple[str, int, str]]:
+        """Per image: its size, its image tokens and how they come (hpsft inspect-data)."""
+        m = self.processor.merge_size
+        return [(f"grid {t}x{h}x{w} patches", count, f"{t * h * w} patches / {m}x{m}")
+                for (t, h, w), count in zip(grids.tolist(), self.token_counts(pixels, grids))]
+
 
 class LlavaImages:
     """LLaVA's layout of a row's images (the module docstring): the folder's CLIP image processor
@@ -152,6 +158,13 @@ class LlavaImages:
 
     def placeholder(self, count: int) -> str:
         return IMAGE_MARK * count
+
+    def image_notes(self, pixels: np.ndarray, grids: np.ndarray) -> list[tuple[str, int, str]]:
+        """Per image: its size, its image tokens and how they come (hpsft inspect-data)."""
+        _, height, width = pixels.shape[1:]
+        p = self.patch_size
+        how = f"{height // p}x{width // p} patches of {p}" + (" + CLS" if self.feature_strategy == "full" else "")
+        return [(f"{height}x{width} pixels", count, how) for count in self.token_counts(pixels, grids)]
 
 
 def image_layout(processor) -> Qwen2VLImages | LlavaImages:

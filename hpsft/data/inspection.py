@@ -36,22 +36,23 @@ def marked_text(tokenizer, input_ids: list[int], loss_mask: list[int], marks: tu
                    for supervised, ids in mask_spans(input_ids, loss_mask))
 
 
-def image_token_lines(input_ids: list[int], grids, pad_id: int, merge_size: int) -> list[str]:
-    """Where each image's tokens go in a sequence: per image (row order) its patch grid and the
-    run of image tokens [start, end) holding its merged features."""
-    runs, start = [], None
-    for i, token in enumerate([*input_ids, None]):
-        if token == pad_id and start is None:
-            start = i
-        elif token != pad_id and start is not None:
-            runs.append((start, i))
-            start = None
-    lines = []
-    for k, ((t, h, w), (begin, end)) in enumerate(zip([tuple(int(x) for x in g) for g in grids], runs)):
-        lines.append(f"  image {k + 1}: grid {t}x{h}x{w} patches -> tokens {begin}-{end - 1} "
-                     f"({end - begin} image tokens = {t * h * w} patches / {merge_size}x{merge_size})")
-    if len(runs) != len(grids):
-        lines.append(f"  {len(runs)} runs of image tokens for {len(grids)} images: the placeholders are not whole images")
+def image_token_lines(input_ids: list[int], pad_id: int, images: list[tuple[str, int, str]]) -> list[str]:
+    """Where each image's tokens go in a sequence. `images`: per image in row order, its size as
+    text, its number of image tokens and how that number comes about (the layout's
+    image_notes). Each image takes the next run of that many image tokens: two images whose
+    placeholders touch (LLaVA's `<image><image>`) are told apart by their counts."""
+    positions = [i for i, token in enumerate(input_ids) if token == pad_id]
+    lines, taken = [], 0
+    for k, (size, count, how) in enumerate(images):
+        run = positions[taken:taken + count]
+        taken += count
+        if len(run) < count or run[-1] - run[0] != count - 1:
+            return lines + [f"  image {k + 1}: {size} takes {count} image tokens, which are not one run: the "
+                            "placeholders are not whole images"]
+        lines.append(f"  image {k + 1}: {size} -> tokens {run[0]}-{run[-1]} ({count} image tokens = {how})")
+    if taken != len(positions):
+        lines.append(f"  {len(positions)} image tokens, {taken} of them the images': the placeholders are not "
+                     "whole images")
     return lines
 
 
