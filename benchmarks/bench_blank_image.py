@@ -76,7 +76,8 @@ def main():
     row = imageless_row(args.tokens)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, one imageless packed row of "
           f"{args.tokens} tokens (2 sequences), median of {args.steps} steps\n")
-    print("| shape | tower params | decoder params | step without blank image (s) | with (s) | blank pass (s) | ratio |")
+    print("| shape | tower params | decoder params | step without blank image (s) | with (s) | blank pass (s) "
+          "| ratio |")
     print("|---|---|---|---|---|---|---|")
     for name, (text, vision) in SHAPES.items():
         model = build(text, vision, 2 if name.startswith("tiny") else args.decoder_layers)
