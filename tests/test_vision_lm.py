@@ -402,3 +402,50 @@ def test_sp2_image_rows_equal_one_process_and_the_models_own_forward(request, tm
         "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
     print(shown)
     assert all(value <= 1e-5 for value in figures.values()), shown
+
+
+def as_bf16(lm):
+    """lm's parameters in bf16, its buffers (rotary frequencies) kept fp32: what DeepSpeed's
+    engine.dtype=bfloat16 casts (docs/precision.md); pixel_values stay fp32 as the store gives them."""
+    for p in lm.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return lm
+
+
+# bf16 against the fp32 model's own forward, the bounds test_precision.py sets for text (loss
+# 5e-3, gradient 1e-2: bf16 rounding of a 2-layer model, measured there 1.0e-5 / 5.8e-3).
+BF16_LOSS, BF16_GRAD = 5e-3, 1e-2
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_bf16_image_rows_train_the_fp32_models_function(request, tokenizer, family):
+    """A packed row of the image chats, and the text-only chat alone (the blank image), run in bf16
+    (bf16 weights, fp32 buffers and pixel_values) against the fp32 model's own forward per
+    conversation: loss, unclipped grad norm and gradients (all, and the tower's and projector's)
+    within bf16's bounds (BF16_LOSS, BF16_GRAD); the bf16 run's gradients are bf16, the blank
+    image's tower gradients exactly zero. Measured and planted: docs/precision.md."""
+    make = tiny_llava if family == "llava" else tiny_qwen2_vl
+    chats = request.getfixturevalue("llava_conversations" if family == "llava" else "conversations")
+    fp32 = make(tokenizer)
+    bf16 = as_bf16(make(tokenizer))
+    tower = {name for name, p in fp32.named_parameters()
+             if any(p is q for m in vision_modules(fp32) for q in m.parameters())}
+    image_row_trained, figures = set(), {}
+    for rows, conversations in (("image row", chats), ("text row", [c for c in chats if c["pixel_values"] is None])):
+        ref_loss, ref_norm = own_forward_loss(fp32, conversations)
+        ref_grads = {name: p.grad for name, p in fp32.named_parameters() if p.grad is not None}
+        loss, norm, _ = packed_loss(bf16, vision_row(conversations))
+        grads = {name: p.grad for name, p in bf16.named_parameters() if p.grad is not None}
+        assert all(g.dtype == torch.bfloat16 for g in grads.values())
+        figures[f"{rows} loss"] = abs(loss - ref_loss) / ref_loss
+        figures[f"{rows} grad norm"] = abs(norm - ref_norm) / ref_norm
+        figures[f"{rows} grads"] = relative_error({n: grads[n] for n in ref_grads}, ref_grads)
+        if rows == "image row":
+            image_row_trained = tower & set(ref_grads)
+            figures[f"{rows} tower grads"] = relative_error({n: grads[n] for n in image_row_trained},
+                                                            {n: ref_grads[n] for n in image_row_trained})
+        else:  # the blank image: every tower gradient the image row gave is there, all zeros
+            assert image_row_trained <= set(grads) and not any(grads[n].any() for n in image_row_trained)
+    shown = "; ".join(f"{name} {value:.1e}" for name, value in figures.items())
+    print(f"\n{family} bf16 vs fp32: {shown}")
+    assert all(value <= (BF16_LOSS if name.endswith("loss") else BF16_GRAD) for name, value in figures.items()), shown
