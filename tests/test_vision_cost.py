@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpsft.data.balance import SequenceCost
-from hpsft.data.batch import collate_jagged
+from hpsft.data.batch import collate_jagged, image_grids
 from hpsft.data.preparation import LocalRunner, prepared_store
 from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sources import SourcedDataset
@@ -81,3 +81,26 @@ def test_the_rank_balance_counts_the_towers_work(image_data, tmp_path, vl_tokeni
     driver = DataParallelWorker(None, Mesh(dp_size=2, rank=None), SequenceCost(tower_cost=cost))
     positions, _ = driver.shard(collate_jagged([dataset[i] for i in batch]))
     assert positions == with_tower, (positions, with_tower)
+
+
+def test_the_ray_drivers_split_weighs_llavas_images_as_the_sampler_does(image_data, tmp_path, vl_tokenizer):  # noqa: F811
+    """LLaVA's batches have no image_grid_thw: the driver counts a sequence's images by its
+    pixel_values rows (batch.image_grids, one width-0 row per image, as the store's index gives
+    them), so its split of the first 10 of the 18 image rows over 2 ranks == the sampler's, which
+    differs from the split by tokens alone (the tiny tower adds 11.1 and 5.5 decoder tokens to the
+    two- and one-image rows). Planted: batch.image_grids giving LLaVA's sequences no images (shape
+    (0, 0)) -> failed, the grids' shapes against the store's (2, 0), (1, 0), (0, 0), ..."""
+    from tests.test_image_data_stage import llava_images
+
+    store = prepared_store(str(image_data), vl_tokenizer, options(), tmp_path / "cache", LocalRunner(1),
+                           processor=llava_images(vl_tokenizer))
+    dataset = SourcedDataset([store], ["train"], 1024, "built-in dataset")
+    batch = list(range(10))
+    loaded = collate_jagged([dataset[i] for i in batch])
+    assert [g.shape for g in image_grids(loaded)] == [g.shape for g in dataset.image_grids(batch)]
+    cost = SequenceCost(tower_cost=VisionTowerCost(tiny_model("llava", vl_tokenizer).config))
+    by_sampler = [next(iter(StepBatchSampler(dataset, None, 10, part, 2, False, 0, cost))) for part in (0, 1)]
+    by_tokens = [next(iter(StepBatchSampler(dataset, None, 10, part, 2, False, 0))) for part in (0, 1)]
+    positions, _ = DataParallelWorker(None, Mesh(dp_size=2, rank=None), cost).shard(loaded)
+    print("sampler", by_sampler, "driver", positions, "by tokens", by_tokens)
+    assert positions == by_sampler != by_tokens
