@@ -346,15 +346,14 @@ def ranks_with_images(data: Path, cache: Path, tokenizer, model: str) -> list[li
     shares split as the trainer's sampler splits them (tokens plus the model's tower cost)."""
     from transformers import AutoConfig
 
-    from hpsft.data.balance import sequence_costs, split_by_cost
+    from hpsft.data.balance import SequenceCost, split_by_cost
     from hpsft.models.vision_cost import VisionTowerCost
 
     store = prepared_store(str(data), tokenizer, options(max_length=256), cache, LocalRunner(1),
                            processor=image_processor())
-    tower = VisionTowerCost(AutoConfig.from_pretrained(model))
+    cost = SequenceCost(tower_cost=VisionTowerCost(AutoConfig.from_pretrained(model)))
     steps = [list(range(first, first + 4)) for first in range(0, len(store), 4)]
-    costs = [sequence_costs([len(store[i]["input_ids"]) for i in step], None,
-                            [tower.sequence_cost(store[i]["image_grid_thw"].numpy()) for i in step]) for step in steps]
+    costs = [cost([len(store[i]["input_ids"]) for i in step], [store.image_grids(i) for i in step]) for step in steps]
     return [[any(store[step[i]]["pixel_values"].shape[0] > 0 for i in part) for part in split_by_cost(cost, 2)]
             for step, cost in zip(steps, costs)]
 

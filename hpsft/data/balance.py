@@ -2,10 +2,11 @@
 work: the slowest rank sets the step, and dealing every n-th sequence leaves the others idle
 (on real ShareGPT lengths the busiest of 8 ranks x 8 sequences carried 1.28x the mean).
 
-Both paths use it: the SPMD ranks each compute the whole split from the stored lengths of the
-step's global batch (the same on every rank, no communication) and take their part; the Ray
-driver splits the batch it loaded. Which rank trains which sequence does not change the step:
-the loss is normalised by the loss tokens of the whole global batch.
+Both paths weigh a sequence with the same SequenceCost: the SPMD ranks each compute the whole
+split from the stored lengths and image grids of the step's global batch (the same on every
+rank, no communication) and take their part; the Ray driver splits the batch it loaded, from
+that batch's lengths and image grids. Which rank trains which sequence does not change the
+step: the loss is normalised by the loss tokens of the whole global batch.
 """
 
 import heapq
@@ -23,6 +24,23 @@ def sequence_costs(lengths, attention_hidden_size: int | None = None, image_cost
     lengths = np.asarray(lengths, dtype=np.float64)
     costs = lengths if attention_hidden_size is None else lengths * (1.0 + lengths / (6.0 * attention_hidden_size))
     return costs if image_costs is None else costs + np.asarray(image_costs, dtype=np.float64)
+
+
+class SequenceCost:
+    """How the balance weighs each sequence of a step, the one rule of both paths: its tokens,
+    with `attention_hidden_size` (data.balance=attention) attention's quadratic term, plus with
+    `tower_cost` (a vision model's VisionTowerCost, hpsft/models/vision_cost.py) the tower's work
+    on its images."""
+
+    def __init__(self, attention_hidden_size: int | None = None, tower_cost=None):
+        self.attention_hidden_size, self.tower_cost = attention_hidden_size, tower_cost
+
+    def __call__(self, lengths, image_grids: list[np.ndarray]) -> np.ndarray:
+        """`image_grids`: each sequence's image grids, one row per image (TokenStore.image_grids)."""
+        images = None
+        if self.tower_cost is not None:
+            images = [self.tower_cost.sequence_cost(grids) for grids in image_grids]
+        return sequence_costs(lengths, self.attention_hidden_size, images)
 
 
 def split_by_cost(costs, n_parts: int) -> list[list[int]]:

@@ -9,6 +9,7 @@ also holds those as jagged fields with their own offsets (rows, images per seque
 selecting sequences selects their images.
 """
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -90,6 +91,19 @@ def shifted_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: to
     targets = target_mask(loss_mask.bool(), offsets)
     labels[:-1] = torch.where(targets[1:], input_ids[1:], IGNORE_INDEX)
     return labels
+
+
+def image_grids(batch: TensorDict) -> list[np.ndarray]:
+    """Each sequence's image grids, one row per image, as TokenStore.image_grids gives them (LLaVA's,
+    with no image_grid_thw: width 0): what the rank balance weighs a loaded batch's images by."""
+    lengths = seqlens(batch)
+    if "pixel_values" not in batch.keys():
+        return [np.zeros((0, 3), np.int64) for _ in lengths]
+    if "image_grid_thw" not in batch.keys():
+        return [np.zeros((int(n), 0), np.int64) for n in batch["pixel_values"].offsets().diff()]
+    grids = batch["image_grid_thw"]
+    offsets, values = grids.offsets().tolist(), grids.values().numpy()
+    return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
 
 
 def loss_token_count(batch: TensorDict) -> int:

@@ -10,8 +10,8 @@ ranks continues from it on exactly the samples the straight run would consume ne
 Each step's global batch is split over the loading processes by cost (hpsft/data/balance.py,
 from the stored lengths and a vision model's stored image grids, the same on every process
 without communication): the SPMD ranks take one part each, the Ray driver (one loading
-process) the whole batch, which its worker group splits the same way (by tokens alone: the
-tower's cost is not counted there yet).
+process) the whole batch, which its worker group splits the same way (the same SequenceCost, from
+the loaded batch's lengths and image grids).
 
 A mixture epoch (docs/data.md, "Mixing datasets") has as many draws as the sources have
 samples together. Each draw picks a source with probability weight / sum of weights
@@ -21,11 +21,10 @@ through again. Everything is drawn from a generator seeded with seed + epoch, so
 order is a function of (seed, epoch) alone.
 """
 
-import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from hpsft.data.balance import sequence_costs, split_by_cost
+from hpsft.data.balance import SequenceCost, split_by_cost
 
 
 def mixture_order(sizes: list[int], weights: list[float], seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -61,16 +60,15 @@ class StepBatchSampler(Sampler):
     batch: `part` of `parts` (list of dataset indices, in the global order).
 
     `dataset` has `sizes` (samples per source) and `sequence_lengths(indices)` (hpsft/data/
-    sources.py); a sample's cost is its length, or with `attention_hidden_size` its length plus
-    attention's quadratic term (balance.sequence_costs), plus with `tower_cost` (a vision model's
-    VisionTowerCost) the tower's work on its images (the dataset's `image_grids(indices)`)."""
+    sources.py) and `image_grids(indices)`, from which `cost` (balance.SequenceCost, default: tokens
+    alone) weighs each sample."""
 
     def __init__(self, dataset, weights: list[float] | None, batch_size: int, part: int, parts: int,
-                 shuffle: bool, seed: int, attention_hidden_size: int | None = None, tower_cost=None):
+                 shuffle: bool, seed: int, cost: SequenceCost | None = None):
         self.dataset, self.weights = dataset, weights
         self.batch_size, self.part, self.parts = batch_size, part, parts
         self.shuffle, self.seed = shuffle, seed
-        self.attention_hidden_size, self.tower_cost = attention_hidden_size, tower_cost
+        self.cost = cost or SequenceCost()
         self.epoch, self.first_step = 0, 0
 
     def set_position(self, epoch: int, samples_consumed: int) -> None:
@@ -92,12 +90,5 @@ class StepBatchSampler(Sampler):
             if self.parts == 1:
                 yield batch
                 continue
-            positions = split_by_cost(self.costs(batch), self.parts)[self.part]
-            yield [batch[i] for i in positions]
-
-    def costs(self, batch: list[int]) -> np.ndarray:
-        """The balance's cost of each of these samples."""
-        images = None
-        if self.tower_cost is not None:
-            images = [self.tower_cost.sequence_cost(grids) for grids in self.dataset.image_grids(batch)]
-        return sequence_costs(self.dataset.sequence_lengths(batch), self.attention_hidden_size, images)
+            costs = self.cost(self.dataset.sequence_lengths(batch), self.dataset.image_grids(batch))
+            yield [batch[i] for i in split_by_cost(costs, self.parts)[self.part]]

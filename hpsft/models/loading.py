@@ -75,12 +75,21 @@ def resolve_attn_implementation(name: str) -> str:
     return name
 
 
-def is_vision_language_folder(folder, trust_remote_code: bool = False) -> bool:
-    """A model folder whose config has a vision tower (Qwen2-VL, LLaVA...: docs/vision.md)."""
+def model_config(folder, trust_remote_code: bool = False):
+    """The folder's transformers config (its config.json)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+def has_vision_tower(config) -> bool:
+    """A vision-language model's config (Qwen2-VL, LLaVA...: docs/vision.md): the one test of it."""
     return getattr(config, "vision_config", None) is not None
+
+
+def is_vision_language_folder(folder, trust_remote_code: bool = False) -> bool:
+    """A model folder whose config has a vision tower."""
+    return has_vision_tower(model_config(folder, trust_remote_code))
 
 
 def auto_model_class(folder, trust_remote_code: bool = False):
@@ -159,7 +168,7 @@ def load_qlora_causal_lm(path: str, lora_config, seed: int, attn_implementation:
 
 def prepared_for_training(model: torch.nn.Module, attn_implementation: str, gradient_checkpointing: bool
                           ) -> torch.nn.Module:
-    if getattr(model.config, "vision_config", None) is not None:
+    if has_vision_tower(model.config):
         # The tower attends within each image (not causal): its own sdpa, the decoder the varlen kernel.
         model.set_attn_implementation({"text_config": attn_implementation, "vision_config": "sdpa"})
     model.config.use_cache = False  # a KV cache is useless in training and breaks packing (see PackedCausalLM)

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpsft.models.families import UnsupportedModel
+from hpsft.models.loading import has_vision_tower
 from hpsft.models.packed_causal_lm import PackedCausalLM
 from hpsft.models.partitioned import is_partitioned
 
@@ -64,7 +65,7 @@ VISION_MODULES = {
 
 
 def is_vision_language(lm: nn.Module) -> bool:
-    return getattr(lm.config, "vision_config", None) is not None
+    return has_vision_tower(lm.config)
 
 
 def check_vision_supported(lm: nn.Module) -> None:

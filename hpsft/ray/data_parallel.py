@@ -2,8 +2,9 @@
 global batches.
 
 The driver sees every sequence of a step, so it computes lengths and the step's loss-token
-count itself (no all-gather), splits the batch into per-rank shards balanced by tokens
-(hpsft/data/balance.py, as the SPMD ranks split it),
+count itself (no all-gather), splits the batch into per-rank shards balanced by cost
+(hpsft/data/balance.py: the SPMD sampler's SequenceCost, tokens plus a vision tower's work on
+the images, from the batch's lengths and image grids: the split the SPMD ranks compute),
 sends each rank its shard and gathers the results. Which rank gets which sequence does not
 change the step: the loss is normalised by the loss tokens of the whole global batch.
 With sequence, tensor or pipeline parallelism the batch is split over the data-parallel ranks
@@ -15,8 +16,8 @@ counts (the others zeros: TrainingWorker), so the sums count each row once.
 
 import torch
 
-from hpsft.data.balance import sequence_costs, split_by_cost
-from hpsft.data.batch import loss_token_count, select, seqlens
+from hpsft.data.balance import SequenceCost, split_by_cost
+from hpsft.data.batch import image_grids, loss_token_count, select, seqlens
 from hpsft.ray.worker_group import PerRank, RayWorkerGroup
 from hpsft.utils.distributed import Mesh
 from hpsft.workers.base import Worker
@@ -24,14 +25,14 @@ from hpsft.workers.step_result import StepResult
 
 
 class DataParallelWorker(Worker):
-    def __init__(self, group: RayWorkerGroup, mesh: Mesh, attention_hidden_size: int | None = None):
+    def __init__(self, group: RayWorkerGroup, mesh: Mesh, cost: SequenceCost):
         self.group = group
         self.mesh = mesh  # the workers' (the driver has no rank in it)
-        self.attention_hidden_size = attention_hidden_size  # data.balance=attention: cost of a sequence
+        self.cost = cost  # the trainer's, its sampler's too
 
     def shard(self, batch) -> tuple[list[list[int]], PerRank]:
         """The sample positions of each rank's shard, and the shards (one per rank)."""
-        costs = sequence_costs(seqlens(batch).numpy(), self.attention_hidden_size)
+        costs = self.cost(seqlens(batch).numpy(), image_grids(batch))
         dp_positions = split_by_cost(costs, self.mesh.dp_size)
         positions = [dp_positions[self.mesh.at(rank).dp_rank] for rank in range(self.mesh.world_size)]
         return positions, PerRank(select(batch, p) for p in positions)

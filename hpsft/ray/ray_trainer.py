@@ -60,8 +60,7 @@ class RaySFTTrainer(SFTTrainer):
             print("hpsft: tensor-parallel groups, each on one node:\n  "
                   + "\n  ".join(group.node_groups(self.mesh.groups("tp"))), flush=True)
         group.init_model().get()
-        hidden = self.model_config().get_text_config().hidden_size if cfg.data.balance == "attention" else None
-        return DataParallelWorker(group, self.mesh, hidden)
+        return DataParallelWorker(group, self.mesh, self.sequence_cost)
 
     def fit(self) -> None:
         restarts = 0

@@ -19,12 +19,13 @@ from hpsft.data.device_feed import device_feed, loader_options
 from hpsft.data.preparation import (LocalRunner, Team, TeamRunner, default_num_proc, make_cache_folder,
                                     prepared_store)
 from hpsft.data.rows import TokenizeOptions, chat_template_text
+from hpsft.data.balance import SequenceCost
 from hpsft.data.sampler import StepBatchSampler
 from hpsft.data.sources import SourcedDataset
 from hpsft.engine import engine_class
 from hpsft.utils.errors import Preempted, UserInputError
 from hpsft.models import load_tokenizer
-from hpsft.models.loading import is_vision_language_folder, load_image_processor
+from hpsft.models.loading import check_model_path, has_vision_tower, load_image_processor, model_config
 from hpsft.models.vision_cost import VisionTowerCost
 from hpsft.utils.progress import progress_bar, step_postfix
 from hpsft.trainer.tracking import Tracker, check_trackers_available
@@ -73,12 +74,29 @@ def check_vision_layout(config: SFTConfig) -> None:
                                  f"train with {setting} yet (docs/vision.md): use {instead}")
 
 
+def check_model_settings(config: SFTConfig, folder_config) -> None:
+    """What the model folder (its transformers config `folder_config`) cannot be trained with, refused by name."""
+    if has_vision_tower(folder_config):
+        check_vision_layout(config)
+    elif config.model.freeze_vision:
+        raise UserInputError(f"model.freeze_vision=true: {config.model.path} has no vision tower to freeze; "
+                             "remove model.freeze_vision")
+
+
 class SFTTrainer:
     # The kind of run, recorded in its checkpoints for the resume message (either kind resumes the other's).
     checkpoint_mode = "spmd"
 
     def __init__(self, config: SFTConfig):
         self.config = config
+        model = config.model
+        # Read once per run; what the model cannot take is refused before any rank, worker or data starts.
+        self.model_config = model_config(check_model_path(model.path, model.trust_remote_code),
+                                         model.trust_remote_code)
+        check_model_settings(config, self.model_config)
+        # A vision-language model's image processor: its rows' images go into the store too.
+        processor = (load_image_processor(model.path, model.trust_remote_code) if has_vision_tower(self.model_config)
+                     else None)
         self.mesh = self.build_mesh()  # handed to the worker (and its engine): nothing else counts ranks
         self.rank = distributed.rank()  # 0 on a Ray driver, outside torch.distributed
         if self.rank == 0:
@@ -107,14 +125,10 @@ class SFTTrainer:
             self.tokenizer.chat_template = chat_template_text(data.chat_template)
         runner = self.build_data_runner() if data.custom_cls.path is None else None
         report, bar = self.rank == 0, config.trainer.progress_bar
-        model = config.model
-        processor = None
-        if is_vision_language_folder(model.path, model.trust_remote_code):
-            check_vision_layout(config)  # before the data stage: a refusal costs nothing yet
-            processor = load_image_processor(model.path, model.trust_remote_code)
         self.train_dataset = build_dataset(data.train_sources(), self.tokenizer, data, runner, report, bar, processor)
         self.val_dataset = (build_dataset(data.val_sources(), self.tokenizer, data, runner, report, bar, processor)
                             if data.val_files else None)
+        self.sequence_cost = self.build_sequence_cost()  # the sampler's, and on Ray the driver's split
         self.train_loader = self.build_train_loader()
         self.total_steps = self.count_total_steps()
         # Rank 0 records it in every checkpoint and checks a resumed one against it.
@@ -191,22 +205,19 @@ class SFTTrainer:
                   flush=True)
         return TeamRunner(Team(self.rank, team.index(self.rank), len(team), attempt), num_proc)
 
-    def build_sampler(self) -> StepBatchSampler:
-        """This process's part of each step's global batch: the SPMD rank's share by tokens, or
-        the whole batch on the Ray driver (its worker group splits it)."""
-        data = self.config.data
-        model_config = self.model_config()
-        hidden = model_config.get_text_config().hidden_size if data.balance == "attention" else None
+    def build_sequence_cost(self) -> SequenceCost:
+        """How each step's split over the data-parallel ranks weighs a sequence."""
+        config = self.model_config
+        hidden = config.get_text_config().hidden_size if self.config.data.balance == "attention" else None
         # A vision model's images cost their tower's work too (the image tokens count as decoder tokens already).
-        tower_cost = VisionTowerCost(model_config) if getattr(model_config, "vision_config", None) else None
+        return SequenceCost(hidden, VisionTowerCost(config) if has_vision_tower(config) else None)
+
+    def build_sampler(self) -> StepBatchSampler:
+        """This process's part of each step's global batch: the SPMD rank's share by cost, or
+        the whole batch on the Ray driver (its worker group splits it by the same cost)."""
+        data = self.config.data
         return StepBatchSampler(self.train_dataset, data.mixture_weights(), data.train_batch_size, self.mesh.data_part,
-                                self.mesh.loading_ranks, data.shuffle, self.config.trainer.seed, hidden, tower_cost)
-
-    def model_config(self):
-        from transformers import AutoConfig
-
-        model = self.config.model
-        return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+                                self.mesh.loading_ranks, data.shuffle, self.config.trainer.seed, self.sequence_cost)
 
     def build_train_loader(self) -> DataLoader:
         self.sampler = self.build_sampler()

@@ -21,7 +21,6 @@ from typing import Callable
 import torch
 
 from hpsft.utils import distributed
-from hpsft.utils.errors import UserInputError
 from hpsft.data.batch import loss_token_count, packed_row, select, seqlens
 from hpsft.data.device_feed import DeviceFeed, device_feed, pinned
 from hpsft.data.microbatch import min_micro_batches, plan_micro_batches
@@ -90,11 +89,8 @@ class TrainingWorker(Worker):
         text_config = lm.config.get_text_config()  # a vision-language model's decoder's (else the model's own)
         if vision:
             check_vision_supported(lm)
-        else:
+        else:  # model.freeze_vision on a text model: refused by the trainer (check_model_settings)
             check_supported(lm, lm.config._attn_implementation)
-            if cfg.freeze_vision:
-                raise UserInputError(f"model.freeze_vision=true: {cfg.path} has no vision tower to freeze; "
-                                     "remove model.freeze_vision")
         # flash-attn runs only on a GPU in 16-bit, and a ZeRO-3 model runs only inside the engine:
         # those are checked once the engine has moved (and cast) the weights; every other model
         # here, in fp32 before DeepSpeed casts the weights for bf16 (a tighter tolerance).

@@ -48,7 +48,26 @@ def model_with_remote_code(model: Path, tmp: Path) -> None:
     config_path.write_text(json.dumps(config))
 
 
+def vision_model(model: Path, tmp: Path) -> Path:
+    """{tmp}/model: the tiny Qwen2-VL folder of tests/test_image_data_stage.py (its tokenizer with
+    the image tokens, its image processor), built once per corpus run and copied."""
+    built = tmp.parent / "vision-model"
+    if not built.exists():
+        from transformers import AutoTokenizer
+
+        from tests.test_image_data_stage import tiny_vl_folder
+        from tests.test_vision_lm import IMAGE_TOKENS
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+        tiny_vl_folder(built, tokenizer)
+    return Path(shutil.copytree(built, tmp / "model"))
+
+
 SETUPS = {
+    "vision_model": vision_model,
+    "vision_model_without_image_processor": lambda model, tmp: (
+        vision_model(model, tmp) / "preprocessor_config.json").unlink(),
     "model_without_config": lambda model, tmp: copy_model(model, tmp, ("config.json",)),
     "model_without_weights": lambda model, tmp: copy_model(model, tmp, ("*.safetensors",)),
     "model_config_not_json": lambda model, tmp: (copy_model(model, tmp, ()) / "config.json").write_text("{oops"),
