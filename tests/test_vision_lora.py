@@ -27,21 +27,25 @@ def language_model_linears(lm, targets: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("family, targets", [("qwen2_vl", ["all-linear"]), ("llava", ["all-linear"]),
-                                             ("llava", ["q_proj", "v_proj", "up_proj"])])
+                                             ("llava", ["q_proj", "v_proj", "up_proj"]),
+                                             ("qwen2_5_vl", ["q_proj", "v_proj", "up_proj"])])
 def test_lora_on_packed_image_chats_equals_pefts_on_the_models_own_forward(request, tokenizer, family, targets):
     """A packed row of 3 chats (one image, text only, two images) with hpsft's adapters (add_lora)
     == PEFT's get_peft_model on the model's own forward per conversation, PEFT given the language
     model's linear layers by name and hpsft's adapter weights (A as seeded, B drawn non-zero so A
     gets a gradient too): the same layers adapted (none in the tower: LLaVA's CLIP tower has its
-    own q_proj/v_proj, all-linear reaches every tower linear), loss and unclipped grad norm over
+    own q_proj/v_proj, Qwen2.5-VL's its own up_proj, all-linear reaches every tower linear), loss and unclipped grad norm over
     the adapters (fp32, <= 1e-5 relative), each adapter's gradient, and no gradient on any
-    frozen parameter, tower or base. Measured: see docs/vision.md."""
+    frozen parameter, tower or base. Measured: see docs/lora.md ("Vision-language models").
+    Planted: no tower exclusion (vision_exclusion returning None) -> every case failed on the adapted
+    layers (Qwen2-VL 10 more, LLaVA all-linear 14, LLaVA's list 4: CLIP's q_proj; Qwen2.5-VL 2: its
+    tower's mlp.up_proj), and the refusal test below DID NOT RAISE."""
     import peft
 
-    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer)
+    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer, family)
     expected = language_model_linears(lm, targets)
     reference = peft.get_peft_model(
-        tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer),  # the same seeded weights
+        tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer, family),  # the same seeded weights
         peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=expected))
     add_lora(lm, LoraConfig(rank=RANK, alpha=ALPHA, target_modules=targets), SEED)
     assert sorted(lora_layers(lm)) == sorted(expected)
@@ -92,7 +96,9 @@ def test_lora_on_qwen2_vl_at_dp2_zero2_equals_one_process_and_exports_pefts_merg
     == one process (loss and unclipped grad norm per step, fp32, <= 1e-5 relative); `hpsft export`
     of the DP=2 run's checkpoint (merged) == PEFT's merge_and_unload of the run's adapter folder on
     the model folder's weights, every tensor (the tower and projector the folder's), and == the
-    run's end-of-run hf/. Each run's subprocess has a 300 s timeout."""
+    run's end-of-run hf/. Each run's subprocess has a 300 s timeout. Measured: docs/lora.md.
+    Planted: the worker's PackedVisionLM not freezing the tower under LoRA (freeze_vision=cfg.freeze_vision)
+    -> the DP=2 run failed at its end-of-run export, "PEFT kept 28 of the 59 adapter tensors"."""
     import peft
     from transformers import AutoModelForImageTextToText
 
