@@ -7,6 +7,13 @@ they were, and its parameter names are the Hugging Face ones with PEFT's layer i
 adapters trainable. Only `nn.Linear` layers of the decoder may be adapted: hpsft's fused loss
 reads the LM head's weight as a tensor, so an adapter on it would be silently skipped.
 
+On a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA) the adapters go on the language model
+only: its vision tower and projector are PEFT's `exclude_modules` (kept in the adapter folder's
+config, so PEFT loads the adapters onto the same layers), frozen like the rest of the base. Without
+it `all-linear`, or a suffix such as `q_proj` (LLaVA's CLIP tower has q_proj/k_proj/v_proj too),
+would silently adapt the tower as well. Every listed target must name a layer of the language
+model, or it is refused (a name the decoder does not have would otherwise be silently dropped).
+
 With `model.lora.use_dora` each adapted layer also has PEFT's DoRA magnitude, one value per
 output (`...q_proj.lora_magnitude_vector.default.weight`, trained like A and B): the layer's
 weight is magnitude * (W + scaling * B @ A) / ||W + scaling * B @ A||, the norm of each output's
@@ -21,6 +28,7 @@ Two outputs a LoRA run can be exported to (end of run and `hpsft export`):
 """
 
 import copy
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -45,14 +53,26 @@ def import_peft():
     return peft
 
 
-def peft_lora_config(lora_config):
-    """PEFT's LoraConfig for hpsft's `model.lora` section."""
+def peft_lora_config(lora_config, lm: nn.Module):
+    """PEFT's LoraConfig for hpsft's `model.lora` section, on `lm` (its vision tower left out)."""
     peft = import_peft()
     targets = lora_config.target_modules
     return peft.LoraConfig(
         r=lora_config.rank, lora_alpha=lora_config.alpha, lora_dropout=lora_config.dropout, bias="none",
         use_dora=lora_config.use_dora, target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
+        exclude_modules=vision_exclusion(lm),
     )
+
+
+def vision_exclusion(lm: nn.Module) -> str | None:
+    """A vision-language model's tower and projector as PEFT's exclude_modules regex (matched against
+    whole module names), None for a text model."""
+    from hpsft.models.packed_vision_lm import VISION_MODULES, check_vision_supported, is_vision_language
+
+    if not is_vision_language(lm):
+        return None
+    check_vision_supported(lm)  # an unknown class's tower is not known: refused, not adapted
+    return "(" + "|".join(re.escape(path) for path in VISION_MODULES[type(lm).__name__]) + r")(\..*)?"
 
 
 def add_lora(lm: nn.Module, lora_config, seed: int) -> nn.Module:
@@ -63,11 +83,32 @@ def add_lora(lm: nn.Module, lora_config, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            peft.inject_adapter_in_model(peft_lora_config(lora_config), lm, adapter_name=ADAPTER)
+            peft.inject_adapter_in_model(peft_lora_config(lora_config, lm), lm, adapter_name=ADAPTER)
         except ValueError as err:  # e.g. PEFT's "Target modules {...} not found in the base model"
             raise UserInputError(f"model.lora.target_modules={list(lora_config.target_modules)}: {err}") from None
     check_adapted_layers(lm, lora_config)
+    check_every_target_adapted(lm, lora_config)
     return lm
+
+
+def check_every_target_adapted(lm: nn.Module, lora_config) -> None:
+    """Each listed target names at least one adapted layer (PEFT's rule: the whole module name, or
+    its ending after a dot); PEFT itself only refuses a list of which nothing matched."""
+    targets = list(lora_config.target_modules)
+    if targets == ["all-linear"]:
+        return
+    adapted = list(lora_layers(lm))
+    excluded = vision_exclusion(lm)
+    for target in targets:
+        if any(name == target or name.endswith(f".{target}") for name in adapted):
+            continue
+        in_tower = excluded is not None and any(
+            re.fullmatch(excluded, name) and (name == target or name.endswith(f".{target}"))
+            for name, _ in lm.named_modules())
+        where = ("only layers of the vision tower or projector, which LoRA leaves frozen (the adapters go on the "
+                 "language model)" if in_tower else "no layer of the model")
+        raise UserInputError(f"model.lora.target_modules={targets}: {target!r} names {where}; list the language "
+                             "model's linear layers (e.g. q_proj, v_proj) or use [all-linear]")
 
 
 def gather_dora_base_weights(lm: nn.Module) -> None:

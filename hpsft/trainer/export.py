@@ -110,7 +110,7 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
     from safetensors import safe_open
 
     from hpsft.models.lora import adapter_names, base_name, merged_weights
-    from hpsft.models.partitioned import weight_files
+    from hpsft.models.partitioned import model_name_of, weight_files
 
     names = adapter_names(lm)
     # A QLoRA checkpoint holds no NF4 base weight (frozen, left out as frozen parameters are): the
@@ -119,18 +119,21 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
     if adapter_only:
         return {name: lazy[name].contiguous() for name in names}
     files = weight_files(folder, "for a LoRA export (base weights read tensor by tensor)")
-    file_of = {}
+    # The folder's saved names renamed as from_pretrained renames them (e.g. Qwen2-VL's saved
+    # model.layers.* are the model's model.language_model.layers.*).
+    model_name, where = model_name_of(lm), {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            file_of.update(dict.fromkeys(f.keys(), file))
+            where.update({model_name(saved): (file, saved) for saved in f.keys()})
 
     def adapted_model_weights():
         for name in weight_names(lm):
             if name in lazy:
                 yield name, lazy[name].contiguous()
                 continue
-            with safe_open(file_of[base_name(name)], framework="pt") as f:
-                yield name, f.get_tensor(base_name(name)).float()
+            file, saved = where[base_name(name)]
+            with safe_open(file, framework="pt") as f:
+                yield name, f.get_tensor(saved).float()
 
     return merged_weights(lm, adapted_model_weights(), lora_config)
 

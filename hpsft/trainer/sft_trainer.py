@@ -61,13 +61,20 @@ def build_dataset(sources, tokenizer, data_config, runner=None, report: bool = F
 
 def check_vision_layout(config: SFTConfig) -> None:
     """What a vision-language model does not train under yet (docs/vision.md), refused by name."""
-    engine = config.engine
+    engine, lora = config.engine, config.model.lora
     refused = [(engine.name != "deepspeed", f"engine.name={engine.name}", "engine.name=deepspeed"),
                (engine.sequence_parallel_size > 1 and engine.zero_stage == 3,
                 "engine.sequence_parallel_size>1 with engine.zero_stage=3", "one of them (each is tested alone)"),
                (engine.tensor_parallel_size > 1, f"engine.tensor_parallel_size={engine.tensor_parallel_size}",
                 "engine.tensor_parallel_size=1"),
-               (config.model.lora.rank > 0, "model.lora.rank > 0", "full fine-tuning (model.lora.rank=0)")]
+               # LoRA is tested on one process and DP=2 ZeRO-2 (tests/test_vision_lora.py), not with these.
+               (lora.rank > 0 and engine.zero_stage == 3, "model.lora.rank > 0 with engine.zero_stage=3",
+                "engine.zero_stage=2 (or full fine-tuning)"),
+               (lora.rank > 0 and engine.sequence_parallel_size > 1,
+                "model.lora.rank > 0 with engine.sequence_parallel_size>1", "engine.sequence_parallel_size=1"),
+               (lora.quantize_base != "none", f"model.lora.quantize_base={lora.quantize_base}",
+                "model.lora.quantize_base=none (LoRA on the unquantised model)"),
+               (lora.use_dora, "model.lora.use_dora=true", "model.lora.use_dora=false (plain LoRA)")]
     for bad, setting, instead in refused:
         if bad:
             raise UserInputError(f"model.path={config.model.path} is a vision-language model, which hpsft does not "

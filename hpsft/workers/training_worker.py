@@ -123,7 +123,8 @@ class TrainingWorker(Worker):
         loss = self.loss_config
         loss_options = dict(loss_backend=loss.backend, z_loss_weight=loss.z_loss_weight,
                             label_smoothing=loss.label_smoothing, token_accuracy=loss.token_accuracy)
-        packed = (PackedVisionLM(lm, freeze_vision=cfg.freeze_vision, **loss_options) if vision
+        # LoRA trains the adapters alone (on the language model): the tower and projector stay frozen.
+        packed = (PackedVisionLM(lm, freeze_vision=cfg.freeze_vision or cfg.lora.rank > 0, **loss_options) if vision
                   else PackedCausalLM(lm, **loss_options))
         self.engine.initialize(packed, head_weight=packed.head_weight)  # under TP, AutoTP shards the layers here
         self.lm = lm
