@@ -62,8 +62,6 @@ def check_vision_layout(config: SFTConfig) -> None:
     """What a vision-language model does not train under yet (docs/vision.md), refused by name."""
     engine = config.engine
     refused = [(engine.name != "deepspeed", f"engine.name={engine.name}", "engine.name=deepspeed"),
-               (engine.sequence_parallel_size > 1 and engine.zero_stage == 3,
-                "engine.sequence_parallel_size>1 with engine.zero_stage=3", "one of them (each is tested alone)"),
                (engine.tensor_parallel_size > 1, f"engine.tensor_parallel_size={engine.tensor_parallel_size}",
                 "engine.tensor_parallel_size=1"),
                (config.model.lora.rank > 0, "model.lora.rank > 0", "full fine-tuning (model.lora.rank=0)")]
