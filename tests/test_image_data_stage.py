@@ -378,8 +378,8 @@ def test_training_on_image_rows_at_dp2_and_sp2_equal_one_process_exports_and_a_f
     that at DP=2 rank 0's micro-batch has images and rank 1's none (steps 1 and 2) and then
     neither has (step 3): 2 ranks under ZeRO-2 and under ZeRO-3 (the folder's saved
     names mapped by transformers' renamings) give each step's loss and unclipped grad norm of one
-    process (fp32, <= 1e-5 relative), and so do 2 ranks as DP=1 x SP=2 under ZeRO-2
-    (engine.sequence_parallel_size=2: each packed row cut in two). With model.freeze_vision=true, also at DP=2,
+    process (fp32, <= 1e-5 relative), and so do 2 ranks as DP=1 x SP=2 (engine.sequence_parallel_size=2:
+    each packed row cut in two) under ZeRO-2 and under ZeRO-3. With model.freeze_vision=true, also at DP=2,
     the exported vision tower (and its merger) is bit-identical to the folder's while the decoder
     moved, and the export's image processor (its preprocessor_config.json, copied from the model
     folder) has the folder's settings. `hpsft export` of the DP=2 ZeRO-2 run's last checkpoint equals
@@ -404,14 +404,16 @@ def test_training_on_image_rows_at_dp2_and_sp2_equal_one_process_exports_and_a_f
                                                                                  [False, False]]
     runs = {"one": (1, {}), "zero2": (2, {"trainer.export_hf": "true"}), "zero3": (2, {"engine.zero_stage": 3}),
             "sp2": (2, {"engine.sequence_parallel_size": 2}),
+            "sp2_zero3": (2, {"engine.sequence_parallel_size": 2, "engine.zero_stage": 3}),
             "frozen": (2, {"model.freeze_vision": "true", "trainer.export_hf": "true"})}
     for name, (nproc, extra) in runs.items():
         assert_ok(run_cli("hpsft.train", vl_overrides(model, data, tmp_path / name,
                                                       **{"engine.zero_stage": 2, **extra}), nproc=nproc, timeout=300))
     reference = step_figures(tmp_path / "one")
-    print("one process", reference, *(f"\n{name} {step_figures(tmp_path / name)}" for name in ("zero2", "zero3", "sp2")))
+    compared = ("zero2", "zero3", "sp2", "sp2_zero3")
+    print("one process", reference, *(f"\n{name} {step_figures(tmp_path / name)}" for name in compared))
     assert len(reference) == 3
-    for name in ("zero2", "zero3", "sp2"):
+    for name in compared:
         for (loss, norm), (ref_loss, ref_norm) in zip(step_figures(tmp_path / name), reference, strict=True):
             assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(norm, ref_norm) <= 1e-5, \
                 (name, loss, norm, ref_loss, ref_norm)
@@ -652,7 +654,6 @@ def test_an_image_replaced_in_place_prepares_its_shards_again_and_an_unchanged_s
 
 
 @pytest.mark.parametrize("settings, named", [
-    (["engine.sequence_parallel_size=2", "engine.zero_stage=3"], "engine.sequence_parallel_size>1 with engine.zero_stage=3"),
     (["engine.tensor_parallel_size=2"], "engine.tensor_parallel_size=2"),
     (["engine.name=megatron"], "engine.name=megatron"),
     (["model.lora.rank=4", "engine.zero_stage=3"], "model.lora.rank > 0 with engine.zero_stage=3"),
@@ -662,8 +663,9 @@ def test_an_image_replaced_in_place_prepares_its_shards_again_and_an_unchanged_s
 ])
 def test_vision_layouts_not_trained_yet_are_refused_by_name(settings, named):
     """What a vision-language model does not train under yet is refused naming the setting, and
-    SP=2, ZeRO-3 or LoRA (at ZeRO-2, tests/test_vision_lora.py) alone is not (each is tested by a slow training test).
-    Planted: the SP x ZeRO-3 entry dropped -> DID NOT RAISE for its case; the LoRA x ZeRO-3 entry dropped -> DID NOT
+    SP=2, ZeRO-3, the two together, or LoRA (at ZeRO-2, tests/test_vision_lora.py) alone is not (each is tested by
+    a slow training test). Planted: the SP x ZeRO-3 entry dropped -> DID NOT RAISE for its case (when it was
+    refused); the entry put back -> the SP=2 with ZeRO-3 case raised; the LoRA x ZeRO-3 entry dropped -> DID NOT
     RAISE for its case."""
     from hpsft.config import load_config
     from hpsft.trainer.sft_trainer import check_vision_layout
@@ -671,5 +673,6 @@ def test_vision_layouts_not_trained_yet_are_refused_by_name(settings, named):
 
     with pytest.raises(UserInputError, match=re.escape(f"train with {named} yet")):
         check_vision_layout(load_config(None, ["model.path=/some/vl-model", *settings]))
-    for alone in (["engine.sequence_parallel_size=2"], ["engine.zero_stage=3"], ["model.lora.rank=4"]):
-        check_vision_layout(load_config(None, ["model.path=/some/vl-model", *alone]))
+    for trained in (["engine.sequence_parallel_size=2"], ["engine.zero_stage=3"],
+                    ["engine.sequence_parallel_size=2", "engine.zero_stage=3"], ["model.lora.rank=4"]):
+        check_vision_layout(load_config(None, ["model.path=/some/vl-model", *trained]))

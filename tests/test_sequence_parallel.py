@@ -86,6 +86,8 @@ def test_a_row_cut_across_the_group_keeps_every_label_and_position(lengths, sp, 
     assert torch.equal(positions[total:], row["position_ids"][0, -1] + torch.arange(1, padded - total + 1))
     for r, s in enumerate(slices):
         assert s["slice_start"] == r * padded // sp and s["input_ids"].shape == (1, padded // sp)
+        # Every rank holds the whole padded row's tokens too (a vision model places its images by them).
+        assert torch.equal(s["row_input_ids"][0], torch.cat([t["input_ids"][0] for t in slices]))
         assert s["offsets"].tolist() == [*row["offsets"][:-1].tolist(), padded]  # the whole row's, for attention
     assert sum(real_tokens(total, r, sp) for r in range(sp)) == total
     # A slice's last position predicts the token that opens the next slice (within a sequence).

@@ -344,7 +344,7 @@ def store_sequences(conversations) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
 def test_sp2_image_rows_equal_one_process_and_the_models_own_forward(request, tmp_path, tokenizer, family):
     """DP=1 x SP=2 under ZeRO-2 (2 gloo ranks, hpsft's DeepSpeed engine, the SP steps script) on one
     packed row of three chats (one image; two images; text only) whose slice boundary cuts an image
@@ -353,16 +353,22 @@ def test_sp2_image_rows_equal_one_process_and_the_models_own_forward(request, tm
     engine) equal the model's own forward per conversation and one process's packed row (fp32,
     <= 1e-5 relative). A second step, whose rank-1 slice has no image token, runs.
     Measured: Qwen2-VL loss 10.82866160 vs 10.82866192 (rel 2.9e-08), grad norm 3.55411923 vs
-    3.55411918 (1.4e-08), grads 5.1e-07, tower grads 4.6e-07; LLaVA loss rel 1.2e-07, grad norm
-    5.01723568 vs 5.01723622 (1.1e-07), grads 6.8e-07.
+    3.55411918 (1.4e-08), grads 5.1e-07, tower grads 4.6e-07; Qwen2.5-VL (windowed tower attention)
+    loss rel 8.8e-08, grad norm 3.20075976 vs 3.20075940 (1.1e-07), grads 5.9e-07, tower grads
+    8.3e-07; LLaVA loss rel 1.2e-07, grad norm 5.01723568 vs 5.01723622 (1.1e-07), grads 6.8e-07.
     Planted (Qwen2-VL), each seen failing:
     - the slice's features not offset by its first image token: loss rel 3.5e-04, grad norm 6.9e-04;
     - rank 1 given rank 0's M-RoPE positions: loss rel 1.3e-05, grad norm 1.6e-04;
     - rank 1's tower gradient dropped (features.detach() + 0 * features): loss rel 2.9e-08, unseen
       by the loss, grad norm 6.1e-02;
     - the scatter skipped on a slice without image tokens (no tower graph there): step 2 aborted in
-      ZeRO-2's gradient all_reduce (rank 1 exit -6)."""
-    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer)
+      ZeRO-2's gradient all_reduce (rank 1 exit -6);
+    - every rank given rank 0's ids as the whole row (split_row's row_input_ids = rank 0's slice
+      repeated): ValueError "sequence 1 has 14 image placeholder tokens, which are not the tokens of
+      whole images 1.. of the row" on both ranks.
+    Planted (Qwen2.5-VL): rank 1 given rank 0's M-RoPE positions: loss rel 3.0e-06 and grad norm
+    1.5e-06 (both within 1e-5: unseen), grads 5.2e-03 and tower grads 6.5e-03 (failed)."""
+    lm = tiny_llava(tokenizer) if family == "llava" else tiny_qwen2_vl(tokenizer, family)
     chats = request.getfixturevalue("llava_conversations" if family == "llava" else "conversations")
     conversations = [chats[i] for i in SP_ROW_ORDER]
     row = vision_row(conversations)

@@ -10,9 +10,11 @@ or around a whole sequence shorter than SP. What crosses a cut is made explicit 
 - every rank keeps the row's full `offsets`: attention gathers the whole row back per head
   group (models/ulysses_attention.py) and needs the exact sequence boundaries there;
 - position ids are the row's, cut like the tokens (rotary runs on each rank's slice);
-- a vision-language row's images (pixel_values, image_grid_thw) go whole to every rank: the
-  model runs its tower on all of them and keeps the features of its slice's image tokens, an
-  image cut by the slice boundary giving its features to both ranks (packed_vision_lm.py).
+- a vision-language row's images (pixel_values, image_grid_thw) go whole to every rank, with
+  the whole (padded) row's tokens (`row_input_ids`): the model runs its tower on all of them,
+  finds the image tokens and computes Qwen2-VL's 3-D positions on the whole row, and keeps the
+  features of its slice's image tokens, an image cut by the slice boundary giving its features
+  to both ranks (packed_vision_lm.py), with no collective. A text decoder ignores them.
 
 The row is padded to a multiple of SP by extending its last sequence with unsupervised
 tokens (label IGNORE_INDEX, positions continuing that sequence's): causal attention keeps
@@ -45,8 +47,9 @@ def real_tokens(length: int, sp_rank: int, sp_size: int) -> int:
 
 def split_row(row: dict, sp_rank: int, sp_size: int) -> dict:
     """This SP rank's slice of a packed row (packed_row's dict): input_ids and position_ids
-    (1, L), labels (L,), the padded whole row's offsets and their longest sequence, and
-    `slice_start`, where the slice begins in the row; a vision-language row's images whole."""
+    (1, L), labels (L,), the padded whole row's offsets and their longest sequence,
+    `slice_start`, where the slice begins in the row, and `row_input_ids`, the padded whole row's
+    (1, SP * L) tokens; a vision-language row's images whole."""
     input_ids, position_ids = row["input_ids"][0], row["position_ids"][0]
     labels = shifted_labels(input_ids, row["loss_mask"], row["offsets"])
     length = input_ids.numel()
@@ -65,5 +68,6 @@ def split_row(row: dict, sp_rank: int, sp_size: int) -> dict:
         "offsets": offsets,
         "max_length": longest_sequence(offsets),  # the padding lengthens the last sequence
         "slice_start": start,
+        "row_input_ids": input_ids.unsqueeze(0),
         **{name: row[name] for name in IMAGE_FIELDS if name in row},
     }

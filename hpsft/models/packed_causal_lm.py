@@ -88,10 +88,12 @@ class PackedCausalLM(nn.Module):
         self.training = mode
         return self
 
-    def decoder_inputs(self, input_ids, position_ids, offsets) -> dict:
+    def decoder_inputs(self, input_ids, position_ids, offsets, row_input_ids=None) -> dict:
         """What the decoder takes for this row besides the sequence boundaries: the tokens and
         their positions. A vision-language model (packed_vision_lm.py) gives embeddings with its
-        image features in them, and its own positions, from further model inputs."""
+        image features in them, and its own positions, from further model inputs. row_input_ids:
+        the whole row's tokens under sequence parallelism (split_row), which a text decoder,
+        seeing only its slice, does not need."""
         return {"input_ids": input_ids, "position_ids": position_ids}
 
     def hidden_states(self, input_ids, position_ids, offsets, max_length: int | None = None, **model_inputs):

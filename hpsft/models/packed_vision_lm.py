@@ -34,8 +34,8 @@ varlen cross-entropy on the assistant tokens (no logits built).
 
 Under sequence parallelism (enable_sequence_parallel, data/sequence_split.py) each rank's row is
 its slice of the packed row, with the whole row's images: every rank runs the tower on all of
-them, the whole row's tokens are gathered over the group to place them, and the M-RoPE positions
-are computed on the whole row and cut to the slice as the text positions are. The slice's image
+them, the whole row's tokens (split_row's row_input_ids: no collective) place them, and the M-RoPE
+positions are computed on the whole row and cut to the slice as the text positions are. The slice's image
 tokens take their features (an image cut by the slice boundary: the part of it in the slice), so
 each rank's tower gradient is that of its slice's features, summed over all ranks by the engine
 as the decoder's is (DeepSpeed's data-parallel group is the whole world: engine.py).
@@ -48,7 +48,6 @@ every data-parallel rank then reduces the same gradients and gathers the same pa
 """
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hpsft.models.families import UnsupportedModel
@@ -118,15 +117,16 @@ class PackedVisionLM(PackedCausalLM):
         for module in vision_modules(lm):
             module.requires_grad_(not freeze_vision)
 
-    def whole_row(self, input_ids) -> tuple[torch.Tensor, int]:
+    def whole_row(self, input_ids, row_input_ids) -> tuple[torch.Tensor, int]:
         """The whole packed row's (1, T) input_ids and where this rank's input_ids begin in it:
-        under sequence parallelism gathered from the group's slices (equal, in rank order: split_row)."""
+        under sequence parallelism split_row's row_input_ids (its slices equal, in rank order)."""
         sp = self.sequence_parallel
         if sp is None:
             return input_ids, 0
-        slices = [torch.empty_like(input_ids) for _ in range(sp.size)]
-        dist.all_gather(slices, input_ids.contiguous(), group=sp.group)
-        return torch.cat(slices, dim=1), sp.rank * input_ids.shape[1]
+        if row_input_ids is None or row_input_ids.shape[1] != sp.size * input_ids.shape[1]:
+            raise ValueError("packed row: under sequence parallelism a vision-language model takes each rank's slice "
+                             "with the whole row's tokens, row_input_ids, as data/sequence_split.py's split_row gives it")
+        return row_input_ids, sp.rank * input_ids.shape[1]
 
     def image_features(self, pixel_values, image_grid_thw) -> list[torch.Tensor]:
         """Per image, in row order, its (image tokens, H) features from the tower and projector."""
@@ -149,10 +149,11 @@ class PackedVisionLM(PackedCausalLM):
             image += n
         return torch.cat(positions, dim=2)
 
-    def decoder_inputs(self, input_ids, position_ids, offsets, pixel_values=None, image_grid_thw=None) -> dict:
+    def decoder_inputs(self, input_ids, position_ids, offsets, pixel_values=None, image_grid_thw=None,
+                       row_input_ids=None) -> dict:
         # Under sequence parallelism input_ids and position_ids are this rank's slice [start, stop)
         # of the row: the images are placed, and the M-RoPE positions computed, on the whole row.
-        row_ids, start = self.whole_row(input_ids)
+        row_ids, start = self.whole_row(input_ids, row_input_ids)
         stop = start + input_ids.shape[1]
         image_mask = row_ids[0] == self.lm.config.image_token_id
         if self.mrope:

@@ -63,8 +63,6 @@ def check_vision_layout(config: SFTConfig) -> None:
     """What a vision-language model does not train under yet (docs/vision.md), refused by name."""
     engine, lora = config.engine, config.model.lora
     refused = [(engine.name != "deepspeed", f"engine.name={engine.name}", "engine.name=deepspeed"),
-               (engine.sequence_parallel_size > 1 and engine.zero_stage == 3,
-                "engine.sequence_parallel_size>1 with engine.zero_stage=3", "one of them (each is tested alone)"),
                (engine.tensor_parallel_size > 1, f"engine.tensor_parallel_size={engine.tensor_parallel_size}",
                 "engine.tensor_parallel_size=1"),
                # LoRA is tested on one process and DP=2 ZeRO-2 (tests/test_vision_lora.py), not with these.
