@@ -127,6 +127,14 @@ CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"c
          "message 1 weight must be 0 (context only) or 1 (trained), got 0.5"),
         ({"messages": [*QUESTION, dict(ANSWER[0], weight=0)]}, "every assistant turn has weight 0: nothing to learn"),
         ({"messages": [*QUESTION, *ANSWER], "tools": [{"name": "f"}]}, "tools must be a list of {'type': 'function'"),
+        # Images given to a text model (the SmolLM2 here): refused, not trained as text.
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                                    {"type": "image", "image": "cat.png"}]}, *ANSWER]},
+         "message 0 part 1 is an image, but model.path is a text model (its config has no vision_config)"),
+        ({"conversations": [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A cat."}],
+          "images": ["cat.png"]}, "the row has an images column, but model.path is a text model"),
+        ({"messages": [{"role": "user", "content": ["Hi"]}, *ANSWER]},
+         "message 0 part 0 must be {'type': 'text', 'text'} or {'type': 'image', 'image': path}, got 'Hi'"),
     ],
 )
 def test_bad_row_names_file_and_row(tmp_path, tokenizer, row, message):
@@ -137,6 +145,21 @@ def test_bad_row_names_file_and_row(tmp_path, tokenizer, row, message):
     assert "bad.jsonl row 2:" in str(err.value) and message in str(err.value)
     skipped = prepared_store(path, tokenizer, options(bad_rows="skip"), tmp_path / "c")
     assert skipped.skipped_rows == 1 and len(skipped) == 2
+
+
+def test_text_content_parts_train_as_the_joined_string(tmp_path, tokenizer):
+    """OpenAI content parts on a text model: the text parts joined are the message's content, the
+    same tokens and loss mask as the row written with strings. Planted: the parts joined with a
+    space -> the input_ids differed."""
+    parts = {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                          {"role": "user", "content": [{"type": "text", "text": "Weather in "},
+                                                       {"type": "text", "text": "Paris?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]}]}
+    strings = {"messages": [{"role": "system", "content": "Be brief."}, *QUESTION, *ANSWER]}
+    as_parts = prepared_store(write_jsonl([parts], tmp_path / "parts.jsonl"), tokenizer, options(), tmp_path / "c")[0]
+    as_strings = prepared_store(write_jsonl([strings], tmp_path / "s.jsonl"), tokenizer, options(), tmp_path / "c")[0]
+    assert torch.equal(as_parts["input_ids"], as_strings["input_ids"])
+    assert torch.equal(as_parts["loss_mask"], as_strings["loss_mask"]) and as_parts["loss_mask"].any()
 
 
 def test_invalid_json_line(tmp_path, tokenizer):

@@ -2,7 +2,10 @@
 what chat templates expect.
 
 - `role`: system, user, assistant or tool.
-- `content`: a string. An assistant message that makes tool calls may have none.
+- `content`: a string, or OpenAI content parts (`[{"type": "text", "text": ...}, ...]`, joined
+  into one string). An image part needs a vision-language model (hpsft/data/image_rows.py makes
+  each an IMAGE_MARK before these checks); for a text model it is refused, as is a row's
+  `images` column. An assistant message that makes tool calls may have none.
 - `tool_calls` (assistant only): a list of `{"type": "function", "function": {"name",
   "arguments"}, "id"?}`; `arguments` is a JSON object or a string holding one. Templates
   write it with `| tojson`, which would print a string as a quoted JSON string, so it is
@@ -21,6 +24,10 @@ what chat templates expect.
 import json
 
 ROLES = ("system", "user", "assistant", "tool")
+IMAGE_MARK = "<image>"  # an image's place in a message's text (image_rows.py expands it into image tokens)
+IMAGES_COLUMN = "images"  # ShareGPT/LLaVA rows: the image paths their IMAGE_MARKs stand for
+NO_VISION_TOWER = ("but model.path is a text model (its config has no vision_config): give a vision-language "
+                   "model, or remove the row's images")
 
 
 class BadRow(ValueError):
@@ -64,6 +71,11 @@ def normalize_message(i: int, msg) -> dict:
         raise BadRow(f"message {i} must have 'role' and 'content', got {msg!r:.80}")
     if role not in ROLES:
         raise BadRow(f"message {i} has unknown role {role!r} (allowed: {list(ROLES)})")
+    if isinstance(msg.get("content"), (list, tuple)):
+        text, image_parts = flatten_parts(i, msg["content"])
+        if image_parts:
+            raise BadRow(f"message {i} part {image_parts[0][0]} is an image, {NO_VISION_TOWER}")
+        msg["content"] = text
     if "content" in msg and not isinstance(msg["content"], str):
         raise BadRow(f"message {i} content must be a string, got {type(msg['content']).__name__}")
     for key in ("tool_call_id", "name"):
@@ -75,6 +87,23 @@ def normalize_message(i: int, msg) -> dict:
         if msg["weight"] not in (0, 1):
             raise BadRow(f"message {i} weight must be 0 (context only) or 1 (trained), got {msg['weight']!r}")
     return msg
+
+
+def flatten_parts(i: int, parts) -> tuple[str, list[tuple[int, dict]]]:
+    """Message i's content parts as one text, an IMAGE_MARK where each image part is, and those
+    image parts with their index."""
+    text, image_parts = [], []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        elif kind in ("image", "image_url"):
+            image_parts.append((j, part))
+            text.append(IMAGE_MARK)
+        else:
+            raise BadRow(f"message {i} part {j} must be {{'type': 'text', 'text'}} or {{'type': 'image', "
+                         f"'image': path}}, got {part!r:.80}")
+    return "".join(text), image_parts
 
 
 def normalize_tool_call(where: str, call) -> dict:

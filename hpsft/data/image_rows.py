@@ -24,9 +24,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from hpsft.data.chat_messages import BadRow
-
-IMAGE_MARK = "<image>"
+from hpsft.data.chat_messages import IMAGE_MARK, BadRow, flatten_parts
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 
 
@@ -41,9 +39,9 @@ def image_messages(messages, images, data_file: Path) -> tuple[list[dict], list[
     for i, msg in enumerate(messages):
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, (list, tuple)):
-            text, part_paths = flatten_parts(i, content)
+            text, image_parts = flatten_parts(i, content)
             msg = {**msg, "content": text}
-            paths += part_paths
+            paths += [part_path(f"message {i} part {j}", part, part["type"]) for j, part in image_parts]
         out.append(msg)
     if paths and images:
         raise BadRow("the row has both image content parts and an images column: give its images one way")
@@ -58,22 +56,6 @@ def image_messages(messages, images, data_file: Path) -> tuple[list[dict], list[
         if paths and msg.get("role") != "user" and IMAGE_MARK in str(msg.get("content")):
             raise BadRow(f"message {i} ({msg.get('role')}) holds an image: images go in user turns only")
     return out, [resolve_image(path, data_file) for path in paths]
-
-
-def flatten_parts(i: int, parts) -> tuple[str, list[str]]:
-    """One message's content parts as text with an IMAGE_MARK per image, and the image paths."""
-    text, paths = [], []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            text.append(part["text"])
-        elif kind in ("image", "image_url"):
-            paths.append(part_path(f"message {i} part {j}", part, kind))
-            text.append(IMAGE_MARK)
-        else:
-            raise BadRow(f"message {i} part {j} must be {{'type': 'text', 'text'}} or {{'type': 'image', "
-                         f"'image': path}}, got {part!r:.80}")
-    return "".join(text), paths
 
 
 def part_path(where: str, part: dict, kind: str) -> str:

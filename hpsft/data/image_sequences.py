@@ -17,14 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hpsft.data.chat_messages import BadRow
+from hpsft.data.chat_messages import IMAGES_COLUMN, BadRow
 from hpsft.data.image_rows import expanded_messages, image_layout, image_messages, image_token_counts, process_images
 from hpsft.data.layouts import HOUSE_LAYOUT, row_messages
 from hpsft.data.row_sequences import RowSequences, rows_sequences
 from hpsft.data.rows import TokenizeOptions
 from hpsft.utils.files import file_identity
-
-IMAGES_COLUMN = "images"  # the ShareGPT/LLaVA rows' list of image paths
 
 
 @dataclass

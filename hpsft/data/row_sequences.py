@@ -24,7 +24,8 @@ prompt instead). History turns are context only: their assistant turns get weigh
 from collections import Counter
 from dataclasses import dataclass, field
 
-from hpsft.data.chat_messages import BadRow, is_supervised, normalize_messages, normalize_tools
+from hpsft.data.chat_messages import (IMAGES_COLUMN, NO_VISION_TOWER, BadRow, is_supervised, normalize_messages,
+                                      normalize_tools)
 from hpsft.data.chat_tokenize import EncodedConversation, HistoryRewritten, PREFIX_MISMATCH, RenderedConversation, \
     TemplateRenderer, encode_rendered, render_conversation
 from hpsft.data.layouts import row_messages
@@ -126,6 +127,8 @@ def rows_conversations(rows: list, tokenizer, opts: TokenizeOptions) -> list[Row
     pending = []  # per row: (messages, encoder, its whole rendering or None) or its BadRow
     for row in rows:
         try:
+            if isinstance(row, dict) and row.get(IMAGES_COLUMN):  # image rows reach here as house rows, without it
+                raise BadRow(f"the row has an {IMAGES_COLUMN} column, {NO_VISION_TOWER}")
             messages, tools = row_messages(row, opts)
             messages, tools = normalize_messages(messages), normalize_tools(tools)
             encoder = Encoder(tokenizer, tools, opts.chat_template)
