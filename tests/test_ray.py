@@ -467,7 +467,7 @@ def test_a_hung_worker_then_one_lost_while_the_group_is_rebuilt_each_use_up_a_re
                                                   f"exit:1:load_checkpoint:{tmp_path / 'once_b'}")
     out = tmp_path / "run"
     run_driver(ray_config(tiny_chat_model, data, out, **ZERO3, **{
-        "ray.max_restarts": 2, "ray.call_timeout_s": "null", "engine.collective_timeout_s": 60}))
+        "ray.max_restarts": 2, "ray.call_timeout_s": "null", "engine.collective_timeout_s": 20}))
     printed = capsys.readouterr().out
     first, second = printed.index("restart 1/2"), printed.index("restart 2/2")
     assert re.search(HUNG_BY_COLLECTIVE_TIMEOUT, printed[:first]), printed[-3000:]
