@@ -132,9 +132,13 @@ def test_zero3_builds_the_default_model_partitioned_and_exports_it_streamed(tmp_
         # first partition stays alive beside the embedding's: one more half embedding).
         assert memory["parameter_mib"] < model_mib / 2 + largest_mib
         # The export gathers one parameter at a time into 64 MB shards: a whole-model gather
-        # would add the model's size on every rank.
+        # would add the model's size (513 MiB) on every rank. One gather of the largest tensor
+        # holds up to three copies of it: the gathered parameter, gloo's flat all-gather buffer
+        # (rank 1, which copies nothing, peaks at 2x: 216 MiB) and, on rank 0, the copy it
+        # writes, when gloo's buffer is freed after that copy starts (291 MiB on a CI run, 215
+        # on another; 2x was the bound before and failed there).
         export = memory["exported"]
-        assert export["peak"] - export["start"] < 64 + 2 * largest_mib, export
+        assert export["peak"] - export["start"] < 64 + 3 * largest_mib, export
         # Building the model: transients of one module at a time on top of this rank's part.
         built = memory["model_built"]
         assert built["end"] - built["start"] < model_mib, built
