@@ -130,14 +130,16 @@ def pytest_configure(config):
 # it groups by, so every test was dealt out alone and a module's fixtures built on both
 # workers: found 2026-12-01.) Ray instances of two files may run side by side; they did in
 # every xdist run so far, without a failure of their own.
-# The files that take longest (make test's --durations, CPU s from HPSFT_TEST_CPU_TIMES), most
+# The files that take longest (the summed --durations=0 seconds of a fresh-clone run, 2026-12-07), most
 # first: they are collected first, so that pytest-xdist starts them first and the workers'
 # last files are short ones (a long file started last would keep one worker busy alone).
-LONGEST_FILES = ("test_ray.py", "test_data_stage.py", "test_spmd_training.py", "test_export.py",
-                 "test_tensor_parallel.py", "test_elastic_resume.py", "test_fault_tolerance.py",
-                 "test_precision.py", "test_lora.py", "test_trust.py", "test_slurm.py", "test_launchers.py",
-                 "test_head_gradient.py", "test_sequence_parallel.py", "test_run_fingerprint.py",
-                 "test_checkpoint_dirs.py", "test_no_hangs.py")
+LONGEST_FILES = ("test_ray.py", "test_tensor_parallel.py", "test_qlora.py", "test_fault_tolerance.py",
+                 "test_trust.py", "test_data_stage.py", "test_launchers.py", "test_megatron_engine.py",
+                 "test_spmd_training.py", "test_slurm.py", "test_cli_tool.py", "test_image_data_stage.py",
+                 "test_lora.py", "test_elastic_resume.py", "test_head_gradient.py", "test_export.py",
+                 "test_sequence_parallel.py", "test_malformed_inputs.py", "test_megatron_model.py",
+                 "test_demo.py", "test_no_hangs.py", "test_metrics.py", "test_vision_training.py",
+                 "test_ray_vision.py", "test_vision_lm.py")
 
 
 def file_rank(item) -> int:
