@@ -55,7 +55,8 @@ def build(folder: str, way: str, quantize_base: str, double_quant: bool) -> dict
     from hpsft.config.schema import LoraConfig
     from hpsft.models.loading import load_causal_lm, load_qlora_causal_lm
     from hpsft.models.lora import add_lora
-    from hpsft.models.qlora import quantize_base_layers, stored_bytes
+    from hpsft.models.qlora import stored_bytes
+    from tests.test_lora import quantize_base_layers  # the dense build's quantisation (tests' reference)
 
     config = LoraConfig(rank=RANK, alpha=2 * RANK, quantize_base=quantize_base, double_quant=double_quant)
     start = peak = resident()

@@ -246,6 +246,19 @@ def test_dora_at_two_ranks_is_pefts_resumes_exactly_and_exports_the_magnitude(tm
     assert merged.keys() == final.keys() and all(torch.equal(merged[name], final[name]) for name in final)
 
 
+def quantize_base_layers(lm, lora_config) -> int:
+    """The dense QLoRA build's last step (the reference the streamed build, hpsft.models.qlora_build,
+    is checked against): the base layer of every PEFT LoRA layer of the whole fp32 `lm` replaced
+    by its quantised layer, in place; the number replaced."""
+    from hpsft.models.lora import lora_layers
+    from hpsft.models.qlora import quantized_linear
+
+    layers = lora_layers(lm)
+    for name, layer in layers.items():
+        layer.base_layer = quantized_linear(name, layer.base_layer, lora_config)
+    return len(layers)
+
+
 def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True, quantize_base: str = "none",
                     double_quant: bool = True):
     """write_tiny_llama's model (fp32) with adapters (rank 4) on every linear layer, as add_lora
@@ -255,7 +268,6 @@ def tiny_dora_model(folder: Path, use_dora: bool = True, trained: bool = True, q
 
     from hpsft.config.schema import LoraConfig
     from hpsft.models.lora import add_lora
-    from hpsft.models.qlora import quantize_base_layers
 
     config = LoraConfig(rank=RANK, alpha=ALPHA, use_dora=use_dora, quantize_base=quantize_base,
                         double_quant=double_quant)

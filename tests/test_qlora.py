@@ -15,7 +15,7 @@ from tests.conftest import read_metrics, run_cli, write_parquet, write_tiny_llam
 from tests.test_export import folder_weights
 from tests.test_lora import (CHECK_SCRIPT, LOGIT_RTOL, RANK, ALPHA, SEED, assert_pefts_first_steps,
                              assert_resumes_exactly, assert_same_steps, lora_check, lora_overrides,
-                             peft_reference_steps, tiny_dora_model)
+                             peft_reference_steps, quantize_base_layers, tiny_dora_model)
 from tests.test_spmd_training import assert_ok
 
 
@@ -331,7 +331,6 @@ def test_the_streamed_qlora_build_is_the_dense_build_bit_for_bit(tmp_path, model
     from hpsft.config.schema import LoraConfig
     from hpsft.models.loading import load_causal_lm, load_qlora_causal_lm
     from hpsft.models.lora import add_lora
-    from hpsft.models.qlora import quantize_base_layers
 
     folder = (write_tiny_llama if model == "llama-fp32" else write_tiny_qwen2)(tmp_path / model)
     config = LoraConfig(rank=RANK, alpha=ALPHA, quantize_base=quantize_base, double_quant=double_quant)

@@ -47,6 +47,26 @@ def model_name_of(lm: nn.Module) -> Callable[[str], str]:
     return lambda name: rename_source_key(name, renamings, [], lm.base_model_prefix, names)[0]
 
 
+def saved_weight_index(folder: Path, model_name: Callable[[str], str], reader: str) -> dict[str, tuple[Path, str]]:
+    """The model's name -> (safetensors file, saved key) of every weight in `folder` (its files'
+    headers only), the saved names renamed by `model_name` (model_name_of)."""
+    from safetensors import safe_open
+
+    where = {}
+    for file in weight_files(folder, reader):
+        with safe_open(file, framework="pt") as f:
+            where.update({model_name(saved): (file, saved) for saved in f.keys()})
+    return where
+
+
+def read_saved_fp32(file: Path, saved: str) -> torch.Tensor:
+    """One saved tensor (an entry of saved_weight_index), read alone, in fp32."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(saved).float()
+
+
 def check_weights_match(lm: nn.Module, folder: Path, files: list[Path], model_name: Callable[[str], str],
                         reader: str = "engine.zero_stage=3", fix: str = "use engine.zero_stage=2 for this folder") -> None:
     """Every parameter and persistent buffer of `lm` is in the files (under model_name), with its

@@ -197,17 +197,6 @@ def dequantized(name: str, weight: torch.Tensor, lora_config) -> torch.Tensor:
     return quantized_linear(name, linear, lora_config).dequantized()
 
 
-def quantize_base_layers(lm: nn.Module, lora_config) -> int:
-    """Replace the base layer of every PEFT LoRA layer of `lm` by its quantised layer
-    (`model.lora.quantize_base`), in place; the number replaced."""
-    from hpsft.models.lora import lora_layers
-
-    layers = lora_layers(lm)
-    for name, layer in layers.items():
-        layer.base_layer = quantized_linear(name, layer.base_layer, lora_config)
-    return len(layers)
-
-
 def stored_bytes(layer: nn.Module) -> int:
     """The bytes a quantised base layer's weight takes: its buffers (an NF4Tensor's inner tensors)."""
     total = 0

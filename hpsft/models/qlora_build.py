@@ -8,9 +8,9 @@ safetensors are then read one tensor at a time: an adapted layer's weight become
 base layer as it is read (its fp32 copy dropped at once), every other tensor fills its stand-in
 in place (tied weights stay tied). The peak is the unquantised tensors, the quantised ones and
 one fp32 weight, not the fp32 model (benchmarks/bench_qlora_build_memory.py). The result equals
-the dense build (load_causal_lm, add_lora, qlora.quantize_base_layers) bit for bit
-(tests/test_qlora.py). Under ZeRO-3 deepspeed.initialize then partitions the unquantised
-parameters, as after the dense build.
+the dense build (load_causal_lm, add_lora, every adapted layer's base quantised: tests/test_lora.py's
+quantize_base_layers) bit for bit (tests/test_qlora.py). Under ZeRO-3 deepspeed.initialize then
+partitions the unquantised parameters, as after the dense build.
 """
 
 from pathlib import Path

@@ -66,28 +66,19 @@ def frozen_vision_readers(lm, folder: Path) -> dict:
     (frozen parameters are the model folder's): for each of their parameter names, a function
     reading its fp32 tensor from the folder, whose saved names are renamed as from_pretrained
     renames them (partitioned.model_name_of: e.g. a LLaVA folder's `vision_tower.*`)."""
-    from safetensors import safe_open
+    from functools import partial
 
     from hpsft.models.packed_vision_lm import VISION_MODULES
-    from hpsft.models.partitioned import model_name_of, weight_files
+    from hpsft.models.partitioned import model_name_of, read_saved_fp32, saved_weight_index
 
     prefixes = tuple(f"{path}." for path in VISION_MODULES[type(lm).__name__])
     names = {name for name, _ in lm.named_parameters(remove_duplicate=False) if name.startswith(prefixes)}
-    model_name, where = model_name_of(lm), {}
-    for file in weight_files(folder, "for the frozen vision tower of a model.freeze_vision=true checkpoint"):
-        with safe_open(file, framework="pt") as f:
-            where.update({model_name(saved): (file, saved) for saved in f.keys() if model_name(saved) in names})
+    where = saved_weight_index(folder, model_name_of(lm),
+                               "for the frozen vision tower of a model.freeze_vision=true checkpoint")
     if names - set(where):
         raise UserInputError(f"model folder {folder} lacks the frozen vision weights {sorted(names - set(where))[:5]} "
                              "that the checkpoint leaves out: give the model trained on with --model PATH")
-
-    def reader(file: Path, saved: str):
-        def read():
-            with safe_open(file, framework="pt") as f:
-                return f.get_tensor(saved).float()
-        return read
-
-    return {name: reader(*where[name]) for name in names}
+    return {name: partial(read_saved_fp32, *where[name]) for name in names}
 
 
 def check_trained_base(folder: Path, recorded: dict, what: str = "the LoRA adapters") -> None:
@@ -107,10 +98,8 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
     """A LoRA checkpoint's (name, tensor) pairs: the adapters alone, or the base model (read from
     `folder` tensor by tensor; QLoRA's quantised and dequantised as in training) with the adapters
     merged in."""
-    from safetensors import safe_open
-
     from hpsft.models.lora import adapter_names, base_name, merged_weights
-    from hpsft.models.partitioned import model_name_of, weight_files
+    from hpsft.models.partitioned import model_name_of, read_saved_fp32, saved_weight_index
 
     names = adapter_names(lm)
     # A QLoRA checkpoint holds no NF4 base weight (frozen, left out as frozen parameters are): the
@@ -118,22 +107,16 @@ def lora_weights(checkpoint: Path, lm, folder: Path, adapter_only: bool, scratch
     lazy = checkpoint_tensors(checkpoint, set(names), scratch)
     if adapter_only:
         return {name: lazy[name].contiguous() for name in names}
-    files = weight_files(folder, "for a LoRA export (base weights read tensor by tensor)")
     # The folder's saved names renamed as from_pretrained renames them (e.g. Qwen2-VL's saved
     # model.layers.* are the model's model.language_model.layers.*).
-    model_name, where = model_name_of(lm), {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update({model_name(saved): (file, saved) for saved in f.keys()})
+    where = saved_weight_index(folder, model_name_of(lm), "for a LoRA export (base weights read tensor by tensor)")
 
     def adapted_model_weights():
         for name in weight_names(lm):
             if name in lazy:
                 yield name, lazy[name].contiguous()
                 continue
-            file, saved = where[base_name(name)]
-            with safe_open(file, framework="pt") as f:
-                yield name, f.get_tensor(saved).float()
+            yield name, read_saved_fp32(*where[base_name(name)])
 
     return merged_weights(lm, adapted_model_weights(), lora_config)
 
