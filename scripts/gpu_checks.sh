@@ -19,6 +19,8 @@
 #   7. ray (not by default): a Ray run (python -m hpsft.train_ray) with one GPU actor
 #   8. qlora (not by default): a short QLoRA run (nf4, rank 16) of the training check's model in
 #      bf16: the loss falls; the peak GPU memory is recorded
+#   9. vision (not by default): the blank image's cost (benchmarks/bench_blank_image.py, bf16):
+#      an imageless packed row's step with and without the tower pass on Qwen2-VL-2B's tower
 # Every step runs under `timeout`, capped by what is left of GPU_CHECKS_BUDGET_S (470 s); a
 # step the budget no longer allows is reported as skipped. One table, ${OUT:-gpu_results}/table.md,
 # holds every step's result (read it first); each step's log sits next to it. Exit status: 0
@@ -29,7 +31,7 @@
 #   GPU_CHECKS_PREPARE=1  on the CPU machine, before lending the GPU: download the wheels the
 #                         GPU machine cannot fetch (it has no network) into .whl/ (git-ignored
 #                         through .git/info/exclude), then exit. Carry .whl in the device call.
-#   GPU_CHECKS_ONLY="tests bench step megatron ranks"  the checks to run (the default; add train, ray, qlora).
+#   GPU_CHECKS_ONLY="tests bench step megatron ranks"  the checks to run (the default; add train, ray, qlora, vision).
 #   GPU_CHECKS_DRY_RUN=1  on a machine without GPU: .venv/bin/python, no venv, no nvidia-smi;
 #                         the same steps on CPU at small sizes (GPU tests skipped, the
 #                         benchmark's --account figures in place of its GPU run, the step on a
@@ -366,6 +368,17 @@ EOF
     result "QLoRA nf4 run, $DTYPE" $? $start "$QLORA_LOG" "$(grep -o 'QLoRA nf4: .*' "$QLORA_LOG" | tail -n 1)"
 fi
 
+# 9. Vision (not by default): what the blank image (packed_vision_lm.py: an imageless micro-batch
+# runs the tower on one blank image so every rank reduces the same gradients) costs a step on a
+# GPU; on the CPU it was 1.96x-2.93x on Qwen2-VL-2B's tower (benchmarks/README.md), bound there
+# by reading the tower's weights. The dry run: 1 decoder layer, 64 tokens.
+VISION_LOG="$OUT_DIR/vision.log"
+if wanted vision; then
+    if [[ "$DRY_RUN" == 1 ]]; then VISION_ARGS=(--decoder-layers 1 --tokens 64 --steps 1); else VISION_ARGS=(--tokens 4096); fi
+    check "blank image, Qwen2-VL-2B tower" 120 "$VISION_LOG" "bench_blank_image.py on $DEVICE" \
+        "$PY" benchmarks/bench_blank_image.py --device "$DEVICE" "${VISION_ARGS[@]}"
+fi
+
 rm -rf "$RUNS_DIR"
 row total "$([[ $FAILED == 0 ]] && echo "no failure" || echo FAILED)" "$SECONDS" \
     "budget ${GPU_CHECKS_BUDGET_S:-470} s x $SCALE; logs in $OUT_DIR/"
@@ -378,6 +391,8 @@ row total "$([[ $FAILED == 0 ]] && echo "no failure" || echo FAILED)" "$SECONDS"
     grep -E '^\||-shaped Llama|^median after|^loss on micro-batch|^Liger-Kernel: ' "$STEP_LOG"
     echo
     grep -E '^\||-shaped Llama|^TP=' "$TP_LOG"
+    echo
+    grep -E '^\||^torch ' "$VISION_LOG"
 } >>"$TABLE" 2>/dev/null
 cat "$TABLE"
 exit $FAILED
